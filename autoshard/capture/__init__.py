@@ -1,0 +1,84 @@
+"""torch.export -> OpGraph: the planner's view of a model."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import replace
+
+from torch import nn
+
+from autoshard.capture.blocks import find_blocks
+from autoshard.capture.coarsen import coarsen
+from autoshard.capture.expand import expand_blocks
+from autoshard.capture.export import export_model
+from autoshard.capture.ir import BlockGroup, Op, OpGraph, OpKind, ParamMeta, TensorMeta
+from autoshard.models import LoadedModel, ModelSpec, build_module
+
+__all__ = ["capture", "capture_model", "OpGraph", "Op", "OpKind", "TensorMeta", "ParamMeta", "BlockGroup"]
+
+log = logging.getLogger(__name__)
+
+
+def _tied_params(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    first: dict[int, str] = {}
+    tied = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(p), name)
+        if owner != name:
+            tied.append((name, owner))
+    return tuple(tied)
+
+
+def capture(model: nn.Module, example_inputs: tuple, *, name: str | None = None) -> OpGraph:
+    """Trace `model` on `example_inputs` (any device, meta included) into an `OpGraph`.
+
+    Sizes in the graph are per sample; dim 0 of every tensor input is the batch.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    exported = export_model(model, example_inputs)
+    coarse = coarsen(exported, model)
+    ops, blocks = find_blocks(coarse.ops)
+    seq = _seq_len(ops)
+    graph = OpGraph(model_name=name or type(model).__name__, ops=ops, blocks=blocks, seq_len=seq,
+                    outputs=coarse.outputs, unknown_ops=coarse.unknown, tied_params=_tied_params(model),
+                    capture_s=time.perf_counter() - t0)
+    if coarse.unknown:
+        log.warning("operators unknown to the planner (priced as memory-bound): %s", ", ".join(coarse.unknown))
+    log.info("captured %s: %d ops, %d params, %.1f s", graph.model_name, len(ops), graph.num_params,
+             graph.capture_s)
+    return graph
+
+
+def _seq_len(ops: tuple[Op, ...]) -> int | None:
+    """Sequence length: dim 1 of the first 2-D+ user input (token ids are (batch, seq))."""
+    for op in ops:
+        if op.kind is OpKind.INPUT and len(op.output_meta.shape) >= 1 and op.output_meta.batch_dims == (0,):
+            shape = op.output_meta.shape
+            if len(shape) >= 2 and op.output_meta.dtype.startswith("int"):
+                return shape[1]
+    return None
+
+
+def capture_model(loaded: LoadedModel) -> OpGraph:
+    """Capture a zoo / spec / factory model. Spec models are traced with 2 blocks and expanded (same graph,
+    a fraction of the time); others are traced whole."""
+    if loaded.spec is not None and loaded.spec.layers > 2:
+        graph = _capture_spec(loaded.spec)
+        if graph is not None:
+            return replace(graph, model_name=loaded.name, _index={})
+    return capture(loaded.module, loaded.example_inputs(2), name=loaded.name)
+
+
+@functools.lru_cache(maxsize=16)
+def _capture_spec(spec: ModelSpec) -> OpGraph | None:
+    t0 = time.perf_counter()
+    small = LoadedModel(name=spec.name, family=spec.family, module=build_module(spec, layers=2), spec=spec)
+    graph = capture(small.module, small.example_inputs(2), name=spec.name)
+    if len(graph.blocks) != 1 or graph.blocks[0].count != 2:
+        return None  # blocks not recognised: the caller traces the whole model
+    graph = expand_blocks(graph, spec.layers)
+    return replace(graph, capture_s=time.perf_counter() - t0, _index={})

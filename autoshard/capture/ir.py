@@ -1,0 +1,204 @@
+"""The planner's IR: an operator graph with shapes, FLOPs and saved bytes, per sample.
+
+`OpGraph` holds operators in topological order. Every size in it is **per sample** (batch 1): the graph is
+captured with a symbolic batch dimension, so every dim that scales with the batch is known and listed in
+`TensorMeta.batch_dims`, and costs for a micro-batch of b samples are b times the per-sample figures (the
+parameters excepted). Sequence length is fixed at capture time.
+
+Repeated blocks (transformer layers with identical structure and shapes) are recorded in `BlockGroup`s so the
+ILP can tie their decisions: one set of variables per block type, multiplied by the count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["OpKind", "TensorMeta", "ParamMeta", "Op", "BlockGroup", "OpGraph", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
+}
+
+
+class OpKind(str, Enum):
+    """What an operator does, as far as the planner cares."""
+
+    LINEAR = "linear"  # y = x W^T (+ b); owns a weight
+    MATMUL = "matmul"  # activation x activation (attention scores, weighted sum)
+    EMBEDDING = "embedding"
+    ATTENTION = "attention"  # fused scaled-dot-product attention
+    NORM = "norm"  # layer norm / RMS norm
+    SOFTMAX = "softmax"
+    ELEMENTWISE = "elementwise"  # pointwise math, activations, residual adds, rotary embeddings
+    DROPOUT = "dropout"
+    REDUCTION = "reduction"  # sum / mean / max over a dim
+    LOSS = "loss"
+    CONV = "conv"  # patch embeddings and other convolutions
+    INPUT = "input"  # a user input of the model (token ids, pixels)
+    INDEX = "index"  # work off the gradient path: masks, positions, rotary tables
+    OTHER = "other"  # known to exist, unknown to the planner: kept, priced as memory-bound, reported
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorMeta:
+    """Shape of one tensor for ONE sample; `batch_dims` are the dims that grow with the batch."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    batch_dims: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamMeta:
+    """A parameter, under the name `model.named_parameters()` gives it (the first name, if tied)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class Op:
+    """One coarsened operator: a leaf module call (Linear, LayerNorm, ...) or one compute node of a
+    module's own forward (SDPA, a residual add), with its view ops folded in."""
+
+    name: str
+    kind: OpKind
+    module_path: str  # innermost nn.Module path from nn_module_stack, "" for the root
+    module_type: str  # class name of that module
+    layer: int | None  # index of the repeated block this op belongs to, None outside blocks
+    inputs: tuple[str, ...]  # names of producer ops (activation inputs, in argument order)
+    input_meta: tuple[TensorMeta, ...]
+    output_meta: TensorMeta
+    params: tuple[ParamMeta, ...] = ()
+    fwd_flops: int = 0  # per sample
+    bwd_flops: int = 0  # per sample
+    saved: tuple[TensorMeta, ...] = ()  # per sample: activations this op keeps for backward
+    needs_input_grad: bool = True  # False when no activation input is on the gradient path
+    aten: tuple[str, ...] = ()  # the ATen targets coarsened into this op
+    gemm: tuple[int, int, int] | None = None  # (M per sample, N, K) of the main GEMM, for efficiency
+
+    @property
+    def param_numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def saved_numel(self) -> int:
+        return sum(t.numel for t in self.saved)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockGroup:
+    """`count` repeated blocks with identical structure: `op_names[i]` lists the ops of block i, and the
+    j-th op of every block plays the same role (same kind, shapes, parameters)."""
+
+    name: str  # module path prefix, e.g. "transformer.h"
+    module_type: str  # class of the block, e.g. "GPT2Block"
+    op_names: tuple[tuple[str, ...], ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.op_names)
+
+    @property
+    def ops_per_block(self) -> int:
+        return len(self.op_names[0]) if self.op_names else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpGraph:
+    """The captured model: ops in topological order, repeated blocks, and what capture could not name."""
+
+    model_name: str
+    ops: tuple[Op, ...]
+    blocks: tuple[BlockGroup, ...] = ()
+    seq_len: int | None = None
+    outputs: tuple[str, ...] = ()  # ops whose values the model returns
+    unknown_ops: tuple[str, ...] = ()  # ATen targets classified OpKind.OTHER (reported, never dropped)
+    tied_params: tuple[tuple[str, str], ...] = ()  # (alias, owner) for shared parameters
+    capture_s: float = 0.0
+    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        names = [op.name for op in self.ops]
+        if len(set(names)) != len(names):
+            raise ValueError("OpGraph has duplicate op names")
+        self._index.update({n: i for i, n in enumerate(names)})
+
+    def op(self, name: str) -> Op:
+        return self.ops[self._index[name]]
+
+    def position(self, name: str) -> int:
+        return self._index[name]
+
+    @property
+    def num_params(self) -> int:
+        """Parameters counted once each (a tied embedding and LM head share one)."""
+        seen: dict[str, int] = {}
+        for op in self.ops:
+            for p in op.params:
+                seen.setdefault(p.name, p.numel)
+        return sum(seen.values())
+
+    @property
+    def fwd_flops_per_sample(self) -> int:
+        return sum(op.fwd_flops for op in self.ops)
+
+    @property
+    def matmul_flops_per_sample(self) -> int:
+        """Forward FLOPs of every matmul (linear layers, attention scores and weighted sums, convolutions):
+        the count Megatron-LM and the scaling-law papers use."""
+        kinds = (OpKind.LINEAR, OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV)
+        return sum(op.fwd_flops for op in self.ops if op.kind in kinds)
+
+    @property
+    def num_layers(self) -> int:
+        return max((b.count for b in self.blocks), default=0)
+
+    def consumers(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {op.name: [] for op in self.ops}
+        for op in self.ops:
+            for src in op.inputs:
+                out[src].append(op.name)
+        return out
+
+    def ops_by_kind(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for op in self.ops:
+            counts[op.kind.value] = counts.get(op.kind.value, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def fingerprint(self) -> str:
+        """Hash of the structure (kinds, shapes, parameters, edges): equal models give equal fingerprints."""
+        h = hashlib.sha256()
+        for op in self.ops:
+            rec = [op.kind.value, op.module_path, list(op.inputs), list(op.output_meta.shape),
+                   [[p.name, list(p.shape)] for p in op.params]]
+            h.update(json.dumps(rec).encode())
+        return h.hexdigest()[:16]

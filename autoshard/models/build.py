@@ -1,0 +1,199 @@
+"""Build a model from a zoo name, a spec string or a `module:factory`, on the meta device by default."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.errors import ModelSpecError
+from autoshard.models.small import MLP, GQAGPT
+from autoshard.models.spec import FAMILIES, ModelSpec, parse_spec
+from autoshard.models.zoo import ZOO
+
+__all__ = ["LoadedModel", "load_model", "build_module", "resolve_spec"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A built module with what capture needs to trace it."""
+
+    name: str
+    family: str
+    module: nn.Module
+    spec: ModelSpec | None = None
+    inputs: tuple | None = None  # example inputs a factory returned (any batch)
+
+    @property
+    def seq(self) -> int | None:
+        return self.spec.seq if self.spec is not None and self.spec.seq else None
+
+    def example_inputs(self, batch: int = 1, *, device: str | torch.device = "meta") -> tuple:
+        """Inputs of `batch` samples for tracing (token ids, pixels or features)."""
+        if self.inputs is not None:
+            return tuple(_rebatch(x, batch) for x in self.inputs)
+        spec = self.spec
+        if spec is None:
+            cfg = getattr(self.module, "config", None)
+            vocab, seq = getattr(cfg, "vocab_size", None), _config_seq(cfg)
+            if vocab is None or seq is None:
+                raise ModelSpecError(f"{self.name}: cannot guess example inputs; make the factory return "
+                                     "(model, example_inputs)")
+            return (torch.zeros(batch, seq, dtype=torch.long, device=device),)
+        if spec.family == "vit":
+            return (torch.zeros(batch, 3, spec.image, spec.image, device=device),)
+        if spec.family == "mlp":
+            return (torch.zeros(batch, spec.hidden, device=device),)
+        return (torch.zeros(batch, spec.seq, dtype=torch.long, device=device),)
+
+
+def _rebatch(x, batch: int):
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    reps = -(-batch // x.shape[0])
+    return x.repeat(reps, *([1] * (x.dim() - 1)))[:batch]
+
+
+def _config_seq(cfg) -> int | None:
+    for attr in ("n_positions", "max_position_embeddings", "seq_length"):
+        val = getattr(cfg, attr, None)
+        if isinstance(val, int) and val > 0:
+            return min(val, 2048)
+    return None
+
+
+def resolve_spec(ref: str) -> ModelSpec:
+    """Zoo name or spec string -> ModelSpec."""
+    key = ref.strip()
+    if key.lower() in ZOO:
+        return ZOO[key.lower()]
+    if ":" in key and key.split(":", 1)[0].strip().lower() in FAMILIES:
+        return parse_spec(key)
+    close = difflib.get_close_matches(key.lower(), list(ZOO), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise ModelSpecError(f"unknown model {ref!r}: {hint}run `autoshard models` for the zoo, or give a spec such as "
+                         "gpt:layers=24,hidden=2048,heads=16,seq=2048 or package.module:factory")
+
+
+def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | None = "meta") -> LoadedModel:
+    """Build `ref` (zoo name, spec string, `module:factory` or an nn.Module) on `device`."""
+    if isinstance(ref, nn.Module):
+        return LoadedModel(name=type(ref).__name__, family="custom", module=ref)
+    if not isinstance(ref, str) or not ref.strip():
+        raise ModelSpecError(f"model must be a zoo name, a spec string or module:factory, got {ref!r}")
+    head = ref.split(":", 1)[0].strip().lower()
+    if ":" in ref and head not in FAMILIES:
+        return _load_factory(ref, device)
+    spec = resolve_spec(ref)
+    if seq is not None:
+        if seq <= 0:
+            raise ModelSpecError(f"--seq must be a positive integer, got {seq}")
+        if spec.family in ("vit", "mlp"):
+            raise ModelSpecError(f"{spec.name} has no sequence length; drop --seq")
+        spec = replace(spec, seq=seq)
+    return LoadedModel(name=spec.name if seq is None else f"{spec.name}@seq{seq}", family=spec.family,
+                       module=build_module(spec, device=device), spec=spec)
+
+
+def _load_factory(ref: str, device: str | None) -> LoadedModel:
+    mod_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(mod_name.strip())
+    except Exception as exc:  # noqa: BLE001 - any import failure becomes one line
+        raise ModelSpecError(f"cannot import {mod_name!r} for model factory {ref!r}: {type(exc).__name__}: "
+                             f"{exc}; check the module path and that it is on PYTHONPATH") from exc
+    factory = getattr(module, attr.strip(), None)
+    if not callable(factory):
+        raise ModelSpecError(f"{mod_name} has no callable {attr!r}; a factory is `package.module:function` "
+                             "returning an nn.Module")
+    try:
+        with torch.device(device) if device else _null():
+            made = factory()
+    except Exception as exc:  # noqa: BLE001
+        raise ModelSpecError(f"model factory {ref} raised {type(exc).__name__}: {exc}") from exc
+    inputs = None
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        made, inputs = made
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    if not isinstance(made, nn.Module):
+        raise ModelSpecError(f"model factory {ref} returned {type(made).__name__}, not an nn.Module; return the "
+                             "model, or (model, example_inputs)")
+    return LoadedModel(name=ref, family="custom", module=made, inputs=inputs)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def build_module(spec: ModelSpec, *, device: str | None = "meta", dtype: torch.dtype = torch.float32,
+                 layers: int | None = None) -> nn.Module:
+    """Instantiate `spec` (with `layers` blocks if given) on `device` without touching real memory on meta."""
+    if layers is not None:
+        spec = replace(spec, layers=layers)
+    with torch.device(device) if device else _null():
+        model = _BUILDERS[spec.family](spec)
+    return model.to(dtype) if dtype is not torch.float32 else model
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelSpecError("zoo models are Hugging Face transformers classes: pip install 'autoshard[hf]'") from exc
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _gpt(spec: ModelSpec) -> nn.Module:
+    if spec.num_kv_heads != spec.heads:  # GPT-2 has no grouped-query attention in transformers
+        return GQAGPT(layers=spec.layers, hidden=spec.hidden, heads=spec.heads, kv_heads=spec.num_kv_heads,
+                      ffn=spec.ffn_size, vocab=spec.vocab or 51200, seq=spec.seq)
+    tf = _transformers()
+    cfg = tf.GPT2Config(n_layer=spec.layers, n_embd=spec.hidden, n_head=spec.heads, vocab_size=spec.vocab or 51200,
+                        n_positions=spec.seq, n_inner=spec.ffn or None, use_cache=False,
+                        bos_token_id=0, eos_token_id=0, attn_implementation=spec.attn)
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def _llama(spec: ModelSpec) -> nn.Module:
+    tf = _transformers()
+    cfg = tf.LlamaConfig(num_hidden_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+                         num_key_value_heads=spec.num_kv_heads, intermediate_size=spec.ffn_size,
+                         vocab_size=spec.vocab or 32000, max_position_embeddings=spec.seq,
+                         rope_theta=spec.rope_theta, tie_word_embeddings=False, use_cache=False,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=spec.attn)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _bert(spec: ModelSpec) -> nn.Module:
+    tf = _transformers()
+    cfg = tf.BertConfig(num_hidden_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+                        intermediate_size=spec.ffn_size, vocab_size=spec.vocab or 30522,
+                        max_position_embeddings=spec.seq, attn_implementation=spec.attn)
+    return tf.BertForMaskedLM(cfg)
+
+
+def _vit(spec: ModelSpec) -> nn.Module:
+    tf = _transformers()
+    cfg = tf.ViTConfig(num_hidden_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+                       intermediate_size=spec.ffn_size, image_size=spec.image or 224, patch_size=spec.patch or 16,
+                       num_labels=1000, attn_implementation=spec.attn)
+    return tf.ViTForImageClassification(cfg)
+
+
+def _mlp(spec: ModelSpec) -> nn.Module:
+    return MLP(layers=spec.layers, hidden=spec.hidden, ffn=spec.ffn_size)
+
+
+_BUILDERS = {"gpt": _gpt, "llama": _llama, "bert": _bert, "vit": _vit, "mlp": _mlp}

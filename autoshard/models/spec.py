@@ -1,0 +1,115 @@
+"""ModelSpec: a model described by its dimensions, parsed from a zoo name or a spec string.
+
+Spec strings: `gpt:layers=96,hidden=12288,heads=96,seq=2048[,vocab=51200][,ffn=49152][,kv_heads=96][,attn=sdpa]`
+and the same keys for `llama:`; `bert:`, `vit:` and `mlp:` take their own (see `_KEYS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from autoshard.errors import ModelSpecError
+
+__all__ = ["ModelSpec", "parse_spec", "FAMILIES"]
+
+FAMILIES = ("gpt", "llama", "bert", "vit", "mlp")
+ATTENTION_IMPLS = ("sdpa", "eager")
+
+_REQUIRED = {
+    "gpt": ("layers", "hidden", "heads", "seq"),
+    "llama": ("layers", "hidden", "heads", "seq"),
+    "bert": ("layers", "hidden", "heads", "seq"),
+    "vit": ("layers", "hidden", "heads"),
+    "mlp": ("layers", "hidden"),
+}
+_OPTIONAL = {
+    "gpt": ("vocab", "ffn", "kv_heads", "attn"),
+    "llama": ("vocab", "ffn", "kv_heads", "attn", "rope_theta"),
+    "bert": ("vocab", "ffn", "attn"),
+    "vit": ("ffn", "image", "patch", "attn"),
+    "mlp": ("ffn",),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Dimensions of a transformer-like model. 0 means 'the family default'."""
+
+    name: str
+    family: str
+    layers: int
+    hidden: int
+    heads: int = 0
+    kv_heads: int = 0
+    ffn: int = 0
+    vocab: int = 0
+    seq: int = 0
+    image: int = 0
+    patch: int = 0
+    rope_theta: float = 10000.0
+    attn: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ModelSpecError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
+        for f in ("layers", "hidden"):
+            if getattr(self, f) <= 0:
+                raise ModelSpecError(f"{self.name}: {f} must be a positive integer, got {getattr(self, f)}")
+        for f in ("heads", "kv_heads", "ffn", "vocab", "seq", "image", "patch"):
+            if getattr(self, f) < 0:
+                raise ModelSpecError(f"{self.name}: {f} must not be negative, got {getattr(self, f)}")
+        if self.family != "mlp":
+            if self.heads <= 0:
+                raise ModelSpecError(f"{self.name}: heads must be a positive integer")
+            if self.hidden % self.heads:
+                raise ModelSpecError(f"{self.name}: hidden={self.hidden} is not divisible by heads={self.heads}; "
+                                     "pick heads that divide the hidden size")
+            if self.kv_heads and self.heads % self.kv_heads:
+                raise ModelSpecError(f"{self.name}: heads={self.heads} is not a multiple of "
+                                     f"kv_heads={self.kv_heads}; grouped-query attention needs kv_heads | heads")
+        if self.attn not in ATTENTION_IMPLS:
+            raise ModelSpecError(f"{self.name}: attn={self.attn!r}; allowed: {', '.join(ATTENTION_IMPLS)}")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn:
+            return self.ffn
+        if self.family == "llama":  # Llama: 2/3 of 4h rounded up to a multiple of 256 (Touvron et al. 2023)
+            return 256 * ((int(8 * self.hidden / 3) + 255) // 256)
+        return 4 * self.hidden
+
+
+def _int(key: str, text: str, spec: str) -> int | float:
+    try:
+        return float(text) if key == "rope_theta" else int(text)
+    except ValueError:
+        raise ModelSpecError(f"model spec {spec!r}: {key}={text!r} is not an integer") from None
+
+
+def parse_spec(spec: str) -> ModelSpec:
+    """Parse `family:key=value,...` into a ModelSpec, with an error naming the bad part."""
+    family, _, body = spec.partition(":")
+    family = family.strip().lower()
+    if family not in _REQUIRED:
+        raise ModelSpecError(f"model spec {spec!r}: unknown family {family!r}; use one of "
+                             f"{', '.join(f + ':' for f in FAMILIES)} e.g. gpt:layers=24,hidden=2048,heads=16,seq=2048")
+    values: dict[str, object] = {}
+    allowed = _REQUIRED[family] + _OPTIONAL[family]
+    for part in filter(None, (p.strip() for p in body.split(","))):
+        key, eq, val = part.partition("=")
+        key = key.strip().lower()
+        if not eq:
+            raise ModelSpecError(f"model spec {spec!r}: {part!r} is not key=value")
+        if key not in allowed:
+            raise ModelSpecError(f"model spec {spec!r}: unknown key {key!r} for {family}; allowed: {', '.join(allowed)}")
+        values[key] = val.strip() if key == "attn" else _int(key, val.strip(), spec)
+    missing = [k for k in _REQUIRED[family] if k not in values]
+    if missing:
+        raise ModelSpecError(f"model spec {spec!r}: missing {', '.join(missing)} (required for {family}: "
+                             f"{', '.join(_REQUIRED[family])})")
+    known = {f.name for f in fields(ModelSpec)}
+    return ModelSpec(name=spec, family=family, **{k: v for k, v in values.items() if k in known})
