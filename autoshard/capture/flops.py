@@ -24,10 +24,7 @@ def gemm_flops(name: str, in_shapes: list[Shape], out_shape: Shape) -> tuple[int
     if name == "linear":
         k = in_shapes[0][-1]
         n = in_shapes[1][0]
-    elif name in ("addmm",):
-        k = in_shapes[1][-1]
-        n = in_shapes[2][-1]
-    elif name in ("baddbmm", "addbmm"):
+    elif name in ("addmm",) or name in ("baddbmm", "addbmm"):
         k = in_shapes[1][-1]
         n = in_shapes[2][-1]
     elif name == "einsum":

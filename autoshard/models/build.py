@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import ModelSpecError
-from autoshard.models.small import MLP, GQAGPT
+from autoshard.models.small import GQAGPT, MLP
 from autoshard.models.spec import FAMILIES, ModelSpec, parse_spec
 from autoshard.models.zoo import ZOO
 

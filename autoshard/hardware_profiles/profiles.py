@@ -1,0 +1,95 @@
+"""GPU and interconnect profiles: frozen records loaded from one YAML file each, every number with a source.
+
+Units are in the field names: TFLOP/s (1e12), GB/s (1e9 bytes/s), GiB (2^30 bytes), microseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+__all__ = ["GPUProfile", "LinkProfile", "COLLECTIVES", "load_gpu", "load_link", "gpu_names", "link_names",
+           "PROFILE_DIR"]
+
+PROFILE_DIR = Path(__file__).parent
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUProfile:
+    name: str  # "A100-80GB"
+    peak_tflops: float  # dense bf16/fp16 tensor-core peak
+    fp32_tflops: float  # fp32 peak without tensor cores (fp32 training, optimizer math)
+    hbm_gbps: float  # HBM bandwidth
+    memory_gib: float  # usable device memory
+    num_sms: int  # streaming multiprocessors (wave quantization of GEMM tiles)
+    max_gemm_efficiency: float  # fraction of peak the largest bf16 GEMMs reach (measured)
+    hbm_efficiency: float  # fraction of HBM bandwidth a streaming kernel reaches (measured)
+    kernel_launch_us: float  # fixed cost per kernel
+    gpus_per_node: int  # the usual node (DGX A100: 8)
+    intra_node: str  # default intra-node link profile name
+    inter_node: str  # default network profile name
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("peak_tflops", "fp32_tflops", "hbm_gbps", "memory_gib", "kernel_launch_us"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPU profile {self.name}: {name} must be positive")
+        for name in ("max_gemm_efficiency", "hbm_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"GPU profile {self.name}: {name} must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkProfile:
+    """An interconnect. `scope` "intra": bus bandwidth seen by one GPU inside a node (NVLink, NVSwitch, PCIe).
+    `scope` "inter": bus bandwidth of one node's network ports together (all NICs of the node), shared by the
+    GPUs of the node that communicate across nodes at the same time.
+
+    `busbw_gbps[c]` is the nccl-tests bus bandwidth of collective c at large messages (busbw = algbw *
+    2(n-1)/n for all-reduce, (n-1)/n for all-gather / reduce-scatter / all-to-all, 1 for broadcast / p2p),
+    so the time of c on n ranks for S bytes is latency + S * factor(c, n) / busbw.
+    """
+
+    name: str
+    scope: str  # "intra" | "inter"
+    busbw_gbps: dict[str, float]
+    latency_us: float  # per algorithm step (one hop of a ring)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.scope not in ("intra", "inter"):
+            raise ValueError(f"link {self.name}: scope must be 'intra' or 'inter', got {self.scope!r}")
+        missing = [c for c in COLLECTIVES if c not in self.busbw_gbps]
+        if missing:
+            raise ValueError(f"link {self.name}: busbw_gbps lacks {', '.join(missing)}")
+        if any(v <= 0 for v in self.busbw_gbps.values()) or self.latency_us < 0:
+            raise ValueError(f"link {self.name}: bandwidths must be positive and latency non-negative")
+
+
+def _read(kind: str, name: str) -> dict:
+    path = PROFILE_DIR / kind / f"{name}.yaml"
+    if not path.exists():
+        raise KeyError(name)
+    return yaml.safe_load(path.read_text())
+
+
+def gpu_names() -> list[str]:
+    return sorted(p.stem for p in (PROFILE_DIR / "gpus").glob("*.yaml"))
+
+
+def link_names(scope: str | None = None) -> list[str]:
+    names = sorted(p.stem for p in (PROFILE_DIR / "networks").glob("*.yaml"))
+    if scope is None:
+        return names
+    return [n for n in names if load_link(n).scope == scope]
+
+
+def load_gpu(name: str) -> GPUProfile:
+    return GPUProfile(**_read("gpus", name))
+
+
+def load_link(name: str) -> LinkProfile:
+    return LinkProfile(**_read("networks", name))

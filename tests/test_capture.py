@@ -1,0 +1,119 @@
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from autoshard.capture import OpKind, capture, capture_model
+from autoshard.errors import CaptureError
+from autoshard.models import load_model
+
+
+def megatron_flops_per_token(l, h, s, v):
+    """Narayanan et al. 2021: 24·l·h²·(1 + s/(6h)) + 2·h·V forward FLOPs per token."""
+    return 24 * l * h * h * (1 + s / (6 * h)) + 2 * h * v
+
+
+def test_gpt2_forward_flops_per_token_match_megatron_count():
+    g = capture_model(load_model("gpt2"))
+    want = megatron_flops_per_token(12, 768, 1024, 50257)
+    assert g.matmul_flops_per_sample / 1024 == pytest.approx(want, rel=0.01)
+
+
+def test_gpt3_forward_flops_per_token_match_megatron_count(gpt3_graph):
+    want = megatron_flops_per_token(96, 12288, 2048, 51200)
+    assert gpt3_graph.matmul_flops_per_sample / 2048 == pytest.approx(want, rel=0.01)
+
+
+def test_two_block_capture_expanded_equals_full_trace():
+    for ref in ("gpt:layers=5,hidden=64,heads=4,seq=16,vocab=128",
+                "llama:layers=4,hidden=64,heads=4,kv_heads=2,seq=16,vocab=128",
+                "bert:layers=3,hidden=64,heads=4,seq=16,vocab=128"):
+        loaded = load_model(ref)
+        full = capture(loaded.module, loaded.example_inputs(2), name=loaded.name)
+        fast = capture_model(loaded)
+        assert replace(full, capture_s=0, _index={}) == replace(fast, capture_s=0, _index={}), ref
+
+
+def _tiny(family, **kw):
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+    if family == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32,
+                                          use_cache=False, bos_token_id=0, eos_token_id=0, **kw))
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                            num_key_value_heads=2, intermediate_size=128, vocab_size=100,
+                                            max_position_embeddings=32, use_cache=False, bos_token_id=0,
+                                            eos_token_id=0, pad_token_id=0, **kw))
+    return BertForMaskedLM(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                      intermediate_size=128, vocab_size=100, max_position_embeddings=32, **kw))
+
+
+@pytest.mark.parametrize("family,linears_per_block", [("gpt2", 4), ("llama", 7), ("bert", 6)])
+def test_transformers_models_capture_with_tied_blocks(family, linears_per_block):
+    with torch.device("meta"):
+        model = _tiny(family)
+    g = capture(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    assert len(g.blocks) == 1 and g.blocks[0].count == 2
+    block = [g.op(n) for n in g.blocks[0].op_names[0]]
+    assert sum(op.kind is OpKind.LINEAR for op in block) == linears_per_block
+    assert any(op.kind is OpKind.ATTENTION for op in block)
+    assert g.num_params == sum(p.numel() for p in model.parameters())
+    assert not g.unknown_ops
+
+
+def test_capture_records_batch_dims_and_per_sample_shapes():
+    with torch.device("meta"):
+        model = _tiny("gpt2")
+    g = capture(model, (torch.zeros(8, 16, dtype=torch.long, device="meta"),))
+    c_fc = g.op("transformer.h.0.mlp.c_fc")
+    assert c_fc.output_meta.shape == (1, 16, 256) and c_fc.output_meta.batch_dims == (0,)
+    assert c_fc.fwd_flops == 2 * 16 * 64 * 256 and c_fc.bwd_flops == 2 * c_fc.fwd_flops
+    assert c_fc.gemm == (16, 256, 64)
+
+
+def test_saved_activations_match_korthikanti_34sbh_plus_5as2b():
+    """Korthikanti et al. 2022 §4.1: a GPT layer keeps s·b·h·(34 + 5·a·s/h) bytes with 16-bit activations."""
+    s, h, a = 16, 64, 4
+    with torch.device("meta"):
+        model = _tiny("gpt2", attn_implementation="eager")
+    g = capture(model, (torch.zeros(2, s, dtype=torch.long, device="meta"),))
+    block = [g.op(n) for n in g.blocks[0].op_names[1]]
+    saved = sum(t.numel * (1 if t.dtype == "bool" else 2) for op in block for t in op.saved)
+    assert saved == s * h * (34 + 5 * a * s / h)
+
+
+def test_untraceable_model_raises_capture_error_naming_the_model():
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow cannot be exported
+                return self.lin(x)
+            return x
+
+    with pytest.raises(CaptureError, match="DataDependent"):
+        capture(DataDependent(), (torch.randn(2, 4),))
+
+
+def test_unknown_aten_ops_are_kept_and_reported():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.special.bessel_j0(self.lin(x))
+
+    g = capture(Odd(), (torch.randn(2, 8),))
+    assert g.unknown_ops and any(op.kind is OpKind.OTHER for op in g.ops)
+    assert math.isclose(g.num_params, 72)
