@@ -58,6 +58,55 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+# -- estimate ---------------------------------------------------------------------------------------------
+def prediction_json(pred) -> dict:
+    """The figures every prediction reports, under the keys scripts rely on."""
+    mem = pred.memory.gib()
+    return {
+        "iteration_time_s": pred.iteration_time_s,
+        "tokens_per_s": pred.tokens_per_s,
+        "model_tflops_per_gpu": pred.model_tflops_per_gpu,
+        "mfu": pred.mfu,
+        "memory_gib": {"params": mem["params"], "grads": mem["grads"], "optimizer": mem["optimizer"],
+                       "activations": mem["activations"], "transient": mem["transient"], "other": mem["other"],
+                       "total": mem["total"]},
+        "breakdown_s": pred.time.seconds(),
+    }
+
+
+def _prediction_text(pred, cluster) -> list[str]:
+    mem = pred.memory.gib()
+    cap = cluster.device_memory_bytes / 2**30
+    return [
+        f"iteration time   {pred.iteration_time_s:.3f} s",
+        f"throughput       {pred.tokens_per_s:,.0f} tokens/s, {pred.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, "
+        f"MFU {pred.mfu * 100:.1f}%",
+        "time breakdown   " + ", ".join(f"{k} {v:.3f} s" for k, v in pred.time.seconds().items() if v > 0),
+        f"memory per GPU   {mem['total']:.1f} of {cap:.0f} GiB: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in mem.items() if k != "total" and v > 0.005),
+    ]
+
+
+def _cmd_estimate(args) -> int:
+    from autoshard.api import estimate_config
+
+    plan, cluster = estimate_config(
+        args.model, args.cluster, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
+        global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
+        zero=args.zero)
+    pred = plan.prediction
+    data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
+            "pipeline": {"degree": plan.pipeline.degree, "schedule": plan.pipeline.schedule,
+                         "virtual_stages": plan.pipeline.virtual_stages},
+            "num_microbatches": plan.num_microbatches, **prediction_json(pred)}
+    head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch {plan.micro_batch} x "
+            f"{plan.num_microbatches}, recompute {plan.recompute}"
+            + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")]
+    _emit(args, data, "\n".join(head + _prediction_text(pred, cluster)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autoshard", description="Auto-parallelization planner for PyTorch training.")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -73,6 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--batch", type=int, default=1, help="batch size the per-sample figures are scaled to")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_inspect)
+
+    e = sub.add_parser("estimate", help="predict a hand-given Megatron/DeepSpeed-style configuration")
+    e.add_argument("model")
+    e.add_argument("--cluster", required=True, help="NODESxGPUSxGPU[@NETWORK] or a cluster YAML file")
+    e.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron 1D)")
+    e.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    e.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: GPUs / (tp x pp))")
+    e.add_argument("--micro-batch", type=int, default=1)
+    e.add_argument("--global-batch", type=int, required=True)
+    e.add_argument("--seq", type=int, default=None)
+    e.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    e.add_argument("--sequence-parallel", action="store_true")
+    e.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
+    e.add_argument("--schedule", choices=("1f1b", "interleaved-1f1b", "gpipe", "looped-bfs"), default=None)
+    e.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_estimate)
     return p
 
 

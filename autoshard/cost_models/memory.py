@@ -1,0 +1,82 @@
+"""Memory per GPU: model states by precision and ZeRO stage, activations, fixed framework overhead.
+
+Pure functions of element counts; the planner decides how many elements each GPU holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.capture.ir import DTYPE_BYTES, TensorMeta
+
+__all__ = [
+    "Precision", "BF16_MIXED", "FP32", "PRECISIONS", "model_state_bytes", "tensor_bytes",
+    "framework_overhead_bytes", "CUDA_CONTEXT_GIB", "NCCL_PER_GROUP_GIB", "optimizer_step_bytes",
+]
+
+GIB = float(1 << 30)
+# CUDA context with lazy module loading (CUDA >= 11.7): ~300 MB (pytorch/pytorch#107667, ptrblck).
+CUDA_CONTEXT_GIB = 0.3
+# NCCL communicator buffers on A100: 544 MB for a 2-rank group, 688 MB for larger ones (NVIDIA/nccl#964).
+NCCL_PER_GROUP_GIB = 0.65
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per element of each kind of state under a training precision."""
+
+    name: str
+    act_bytes: int  # floating-point activations
+    param_bytes: int  # working copy of the parameters
+    grad_bytes: int
+    master_bytes: int  # fp32 master parameters (0 when the working copy is fp32)
+    optim_bytes: int  # optimizer states (Adam: m and v in fp32)
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optim_bytes
+
+
+# Mixed-precision Adam: 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (Rajbhandari et al. 2020, ZeRO §3).
+BF16_MIXED = Precision(name="bf16-mixed", act_bytes=2, param_bytes=2, grad_bytes=2, master_bytes=4, optim_bytes=8)
+FP32 = Precision(name="fp32", act_bytes=4, param_bytes=4, grad_bytes=4, master_bytes=0, optim_bytes=8)
+PRECISIONS = {p.name: p for p in (BF16_MIXED, FP32)}
+
+
+def model_state_bytes(numel: float, precision: Precision, *, zero: int, dp: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer states incl. master copy) bytes on one GPU for `numel` local params.
+
+    ZeRO stage 1 shards the optimizer states over the `dp` ranks, stage 2 the gradients too, stage 3 the
+    parameters too: 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N bytes with mixed-precision Adam (ZeRO §5).
+    """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
+    p = numel * precision.param_bytes
+    g = numel * precision.grad_bytes
+    o = numel * (precision.master_bytes + precision.optim_bytes)
+    if zero >= 1:
+        o /= dp
+    if zero >= 2:
+        g /= dp
+    if zero >= 3:
+        p /= dp
+    return p, g, o
+
+
+def tensor_bytes(meta: TensorMeta, precision: Precision, *, samples: float = 1.0) -> float:
+    """Bytes of an activation for `samples` samples: floating point at the training precision, the rest as is."""
+    per_elem = precision.act_bytes if meta.dtype.startswith(("float", "bfloat")) else DTYPE_BYTES[meta.dtype]
+    batch_scale = samples if meta.batch_dims else 1.0
+    return meta.numel * per_elem * batch_scale
+
+
+def framework_overhead_bytes(num_groups: int) -> float:
+    """CUDA context plus NCCL buffers of each process group this rank belongs to."""
+    return (CUDA_CONTEXT_GIB + NCCL_PER_GROUP_GIB * max(0, num_groups)) * GIB
+
+
+def optimizer_step_bytes(numel: float, precision: Precision) -> float:
+    """HBM traffic of one fused Adam step over `numel` local parameters: read grad, param, master, m, v;
+    write param, master, m, v."""
+    return numel * (precision.grad_bytes + 2 * (precision.param_bytes + precision.master_bytes
+                                                 + precision.optim_bytes))

@@ -1,0 +1,66 @@
+"""PlanContext: the fixed surroundings one plan is priced in (mesh on a cluster, micro-batch, precision).
+
+It also answers, once per axis set, where a communication group sits on the cluster (how many of its ranks
+share a node), which is what the communication cost depends on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoshard.cost_models.comm import GroupPlacement, collective_time_s, group_placement, p2p_time_s
+from autoshard.cost_models.memory import BF16_MIXED, FP32, Precision
+from autoshard.planner.layouts import MeshSpec
+
+__all__ = ["PlanContext", "default_precision"]
+
+
+def default_precision(cluster) -> Precision:
+    """bf16 mixed precision on GPUs; fp32 on CPU ranks (gloo)."""
+    return FP32 if cluster.gpu.name == "cpu" else BF16_MIXED
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanContext:
+    mesh: MeshSpec
+    cluster: object  # ClusterSpec (duck-typed: gpu, intra, inter, gpus_per_node, num_nodes)
+    micro_batch: int
+    num_microbatches: int = 1
+    precision: Precision = BF16_MIXED
+    recompute: str = "none"
+    seq: int | None = None
+    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.mesh.size > self.cluster.num_gpus:
+            raise ValueError(f"mesh {self.mesh} needs {self.mesh.size} GPUs; the cluster has {self.cluster.num_gpus}")
+
+    @property
+    def gpu(self):
+        return self.cluster.gpu
+
+    def group(self, axes: tuple[str, ...]) -> GroupPlacement:
+        """Placement of a group along `axes` (ranks row-major over the mesh, tensor-parallel innermost)."""
+        key = ("group", axes)
+        if key not in self._cache:
+            spec = [(self.mesh.stride(a), self.mesh.degree(a)) for a in axes]
+            self._cache[key] = group_placement(spec, self.cluster.gpus_per_node)
+        return self._cache[key]
+
+    def collective_s(self, collective: str, nbytes: float, axes: tuple[str, ...]) -> float:
+        """Seconds of one collective over the group spanned by `axes` (memoized: the ILP asks often)."""
+        if not axes or nbytes <= 0:
+            return 0.0
+        key = (collective, float(nbytes), axes)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = collective_time_s(collective, nbytes, self.group(axes), self.cluster)
+        return hit
+
+    def p2p_s(self, nbytes: float) -> float:
+        """Send between neighbouring pipeline stages (same node when pp's stride fits in one node)."""
+        same = "pp" in self.mesh.names and self.mesh.stride("pp") < self.cluster.gpus_per_node
+        return p2p_time_s(nbytes, self.cluster, same_node=same)
+

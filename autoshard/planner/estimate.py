@@ -1,0 +1,101 @@
+"""`autoshard estimate`: predict a hand-given Megatron / DeepSpeed configuration with the planner's cost model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.capture.ir import OpGraph
+from autoshard.errors import ConfigurationError
+from autoshard.planner.context import PlanContext, default_precision
+from autoshard.planner.evaluate import Evaluation, evaluate
+from autoshard.planner.layouts import MeshSpec
+from autoshard.planner.manual import even_stage_layers, megatron_assignment
+from autoshard.planner.plan import SCHEDULES, OpPlan, PipelineSpec, Plan
+
+__all__ = ["HandConfig", "estimate", "check_batch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+    schedule: str | None = None  # default: 1f1b, or interleaved-1f1b when virtual_stages > 1
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"--{name.replace('_', '-')} must be a positive integer, got "
+                                         f"{getattr(self, name)}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigurationError(f"--recompute {self.recompute!r}: use none, selective or full")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ConfigurationError(f"--schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigurationError(f"--zero {self.zero}: use 0, 1, 2 or 3")
+
+    @property
+    def resolved_schedule(self) -> str:
+        if self.schedule:
+            return self.schedule
+        return "interleaved-1f1b" if self.virtual_stages > 1 else "1f1b"
+
+
+def check_batch(global_batch: int, dp: int, micro_batch: int) -> int:
+    """Micro-batches per replica; the batch must split evenly."""
+    if global_batch % (dp * micro_batch):
+        raise ConfigurationError(
+            f"global batch {global_batch} is not a multiple of dp x micro-batch = {dp} x {micro_batch}; "
+            f"use a global batch divisible by {dp * micro_batch}")
+    return global_batch // (dp * micro_batch)
+
+
+def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
+    if cfg.tp * cfg.pp * cfg.dp != cluster.num_gpus:
+        raise ConfigurationError(
+            f"tp x pp x dp = {cfg.tp} x {cfg.pp} x {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but cluster "
+            f"{cluster} has {cluster.num_gpus} GPUs; choose degrees whose product is {cluster.num_gpus}")
+    heads = _heads(graph)
+    if heads and heads % cfg.tp:
+        raise ConfigurationError(f"tp={cfg.tp} does not divide the {heads} attention heads; pick a tp that does")
+    if cfg.pp > 1 and not graph.blocks:
+        raise ConfigurationError("pipeline parallelism needs repeated blocks to split; this model has none")
+    if cfg.virtual_stages > 1 and cfg.pp == 1:
+        raise ConfigurationError("--virtual-stages needs --pp > 1")
+
+
+def _heads(graph: OpGraph) -> int:
+    for op in graph.ops:
+        if op.kind.value in ("attention", "matmul") and len(op.output_meta.shape) == 4:
+            return op.output_meta.shape[1]
+    return 0
+
+
+def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation]:
+    """Price `cfg` on `cluster`; raises ConfigurationError when it cannot run (incl. not fitting memory)."""
+    _validate(graph, cluster, cfg)
+    m = check_batch(cfg.global_batch, cfg.dp, cfg.micro_batch)
+    mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)) if d > 1})
+    ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
+                      precision=default_precision(cluster), recompute=cfg.recompute, seq=graph.seq_len)
+    assign = megatron_assignment(graph, mesh, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
+                                 zero=cfg.zero)
+    chunks = cfg.pp * cfg.virtual_stages
+    stage_layers = even_stage_layers(graph.num_layers, chunks) if chunks > 1 else ()
+    pipe = PipelineSpec(degree=cfg.pp, schedule=cfg.resolved_schedule, virtual_stages=cfg.virtual_stages,
+                        stage_layers=stage_layers, layered=cfg.resolved_schedule == "looped-bfs")
+    ev = evaluate(graph, assign, ctx, pipe, global_batch=cfg.global_batch)
+    plan = Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
+                global_batch=cfg.global_batch, micro_batch=cfg.micro_batch, seq=graph.seq_len,
+                recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",),
+                ops=tuple(OpPlan(op=name, module=graph.op(name).module_path, kind=graph.op(name).kind.value,
+                                 layer=graph.op(name).layer, strategy=st,
+                                 time_s=ev.op_costs[name].time_s, memory_bytes=ev.op_costs[name].state_bytes)
+                          for name, st in assign.items()))
+    return plan, ev

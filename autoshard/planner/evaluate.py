@@ -1,0 +1,260 @@
+"""Price a complete assignment (a strategy per operator, a pipeline, micro-batching): the one cost model.
+
+The ILP optimizes the same per-op and per-edge costs (`opcost.py`); this module adds what is not linear in
+them — pipeline schedules, overlap of data-parallel traffic with compute, the per-stage memory peak — and
+produces the `Prediction` every command reports.
+
+Iteration time, with m micro-batches per replica, p stages, v chunks per stage, t = the slowest stage's
+forward + backward time per micro-batch (compute, tensor-parallel communication, exposed ZeRO traffic):
+    no pipeline:               m·t
+    gpipe, 1f1b:               (m + p − 1)·t                       (Narayanan et al. 2021 §2.2)
+    interleaved-1f1b:          (m + (p − 1)/v)·t, p2p traffic ×v   (ibid. §2.2.2)
+    looped-bfs (layered):      (m + (p − 1)/v)·t, ZeRO gathers and reductions once per step, not per
+                               micro-batch (Lamy-Poirier 2021 §3-4)
+plus the exposed part of the per-iteration gradient reduction and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autoshard.capture.ir import Op, OpGraph, TensorMeta
+from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
+from autoshard.cost_models.compute import memory_bound_time_s
+from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes, tensor_bytes
+from autoshard.planner.context import PlanContext
+from autoshard.planner.layouts import BATCH, Layout
+from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost
+from autoshard.planner.plan import OpStrategy, PipelineSpec, Prediction
+from autoshard.planner.strategies import PLANNED_KINDS
+
+__all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches",
+           "planned_edges"]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    prediction: Prediction
+    op_costs: dict[str, OpCost]
+    edge_costs: dict[tuple[str, int], EdgeCost]  # (consumer op, input index) -> cost
+    stage_memory: tuple[MemoryBreakdown, ...]
+    stage_time_s: tuple[float, ...]  # per micro-batch, per stage
+
+
+def sink_layout(ctx: PlanContext) -> Layout:
+    """Outputs leave the model batch-sharded over dp and whole on every tensor-parallel rank."""
+    return Layout((("dp", BATCH),)) if "dp" in ctx.mesh.names else Layout()
+
+
+def block_inputs(graph: OpGraph) -> dict[str, TensorMeta]:
+    """First op of each repeated block -> the block input it keeps under full recompute."""
+    out = {}
+    for group in graph.blocks:
+        for names in group.op_names:
+            first = graph.op(names[0])
+            if first.input_meta:
+                out[first.name] = first.input_meta[0]
+    return out
+
+
+def stage_of(graph: OpGraph, pipe: PipelineSpec) -> dict[str, int]:
+    """Pipeline chunk of every op: blocks by `stage_layers`, ops before the blocks in the first chunk,
+    after them in the last. Chunk c runs on stage c mod degree."""
+    chunks = pipe.degree * pipe.virtual_stages
+    if chunks == 1 or not pipe.stage_layers:
+        return {op.name: 0 for op in graph.ops}
+    layer_chunk = {}
+    for c, (lo, hi) in enumerate(pipe.stage_layers):
+        for layer in range(lo, hi):
+            layer_chunk[layer] = c
+    out, seen_block = {}, False
+    for op in graph.ops:
+        if op.layer is not None:
+            seen_block = True
+            out[op.name] = layer_chunk[op.layer]
+        else:
+            out[op.name] = chunks - 1 if seen_block else 0
+    return out
+
+
+def planned_edges(graph: OpGraph):
+    """(producer, consumer, input index, meta) for every activation edge the planner prices."""
+    for op in graph.ops:
+        if op.kind not in PLANNED_KINDS:
+            continue
+        for i, (src, meta) in enumerate(zip(op.inputs, op.input_meta, strict=True)):
+            if graph.op(src).kind in PLANNED_KINDS:
+                yield src, op.name, i, meta
+
+
+def inflight_microbatches(stage: int, pipe: PipelineSpec, m: int) -> float:
+    """Micro-batches whose activations a stage holds at its peak (Korthikanti et al. 2022 §4.2.3)."""
+    p, v = pipe.degree, pipe.virtual_stages
+    if p == 1:
+        return float(m) if pipe.layered else 1.0
+    if pipe.schedule == "gpipe" or pipe.layered:
+        return float(m)
+    if pipe.schedule == "interleaved-1f1b":
+        return min(float(m), (p - stage) + (p - 1) / v)
+    return float(min(m, p - stage))
+
+
+def _costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext):
+    firsts = block_inputs(graph)
+    cache: dict[tuple, OpCost] = {}
+    op_costs = {}
+    for op in graph.ops:
+        st = assign.get(op.name)
+        if st is None:
+            continue
+        key = (_op_key(op), st, op.name in firsts)
+        if key not in cache:
+            cache[key] = op_cost(op, st, ctx, block_input=firsts.get(op.name))
+        op_costs[op.name] = cache[key]
+    edges = {}
+    for src, dst, i, meta in planned_edges(graph):
+        s_st, d_st = assign[src], assign[dst]
+        edges[(dst, i)] = edge_cost(meta, s_st.output, d_st.inputs[i], grad_partial_axes(d_st) if i == 0
+                                    else frozenset(), ctx)
+    for name in graph.outputs:
+        edges[(f"<output:{name}>", 0)] = edge_cost(graph.op(name).output_meta, assign[name].output,
+                                                   sink_layout(ctx), frozenset(), ctx)
+    return op_costs, edges
+
+
+def _op_key(op: Op) -> tuple:
+    """Ops of different blocks with the same role cost the same: key them by role, not name."""
+    return (op.kind, op.module_type, op.output_meta, op.input_meta, tuple(p.shape for p in op.params),
+            op.fwd_flops, op.saved, op.needs_input_grad, op.layer is not None, op.gemm)
+
+
+@dataclass
+class _Stage:
+    fwd: float = 0.0
+    bwd: float = 0.0
+    tp: float = 0.0
+    dp_mb: float = 0.0  # ZeRO gathers / reduce-scatters per micro-batch
+    dp_iter: float = 0.0
+    units: int = 0
+    memory: MemoryBreakdown = MemoryBreakdown()
+    params: float = 0.0
+    saved: float = 0.0
+    transient: float = 0.0
+    boundary_bytes: float = 0.0
+
+
+def _accumulate(graph, assign, ctx, pipe, op_costs, edges) -> list[_Stage]:
+    chunk = stage_of(graph, pipe)
+    stages = [_Stage() for _ in range(pipe.degree)]
+    layers_in_stage: list[set] = [set() for _ in range(pipe.degree)]
+    for op in graph.ops:
+        c = op_costs.get(op.name)
+        if c is None:
+            continue
+        st = stages[chunk[op.name] % pipe.degree]
+        st.fwd += c.fwd_s
+        st.bwd += c.bwd_s + c.recompute_s
+        st.tp += c.tp_fwd_s + c.tp_bwd_s
+        st.dp_mb += c.dp_fwd_s + c.dp_bwd_s
+        st.dp_iter += c.dp_iter_s
+        st.params += op.param_numel / max(1, _shards(assign[op.name], ctx))
+        st.memory = st.memory + MemoryBreakdown(params_bytes=c.param_bytes, grads_bytes=c.grad_bytes,
+                                                optimizer_bytes=c.optim_bytes)
+        st.saved += c.saved_bytes
+        st.transient = max(st.transient, c.transient_bytes)
+        if op.layer is not None:
+            layers_in_stage[chunk[op.name] % pipe.degree].add(op.layer)
+    for (dst, _), e in edges.items():
+        name = dst[len("<output:"):-1] if dst.startswith("<output:") else dst
+        st = stages[chunk[name] % pipe.degree]
+        recompute_fwd = e.fwd_s if ctx.recompute == "full" and graph.op(name).layer is not None else 0.0
+        st.tp += e.fwd_s + e.bwd_s + recompute_fwd
+    for i, st in enumerate(stages):
+        st.units = max(1, len(layers_in_stage[i]))
+    _boundaries(graph, assign, ctx, pipe, chunk, stages)
+    return stages
+
+
+def _shards(st: OpStrategy, ctx: PlanContext) -> int:
+    if not st.params:
+        return 1
+    lay = st.params[0].storage
+    return math.prod(ctx.mesh.degree(a) for a, p in lay.items if p.startswith("S("))
+
+
+def _boundaries(graph, assign, ctx, pipe, chunk, stages) -> None:
+    """Bytes sent between consecutive chunks per micro-batch (the activation crossing the cut)."""
+    if pipe.degree == 1:
+        return
+    for src, dst, _, meta in planned_edges(graph):
+        if chunk[src] != chunk[dst]:
+            lay = assign[src].output
+            shards = math.prod(ctx.mesh.degree(a) for a, p in lay.items if p.startswith("S(") and a != "dp")
+            nb = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / max(1, shards)
+            st = stages[chunk[src] % pipe.degree]
+            st.boundary_bytes = max(st.boundary_bytes, nb)
+
+
+def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int):
+    """(total seconds, TimeBreakdown, slowest stage time per micro-batch, per-stage times)."""
+    p, v = pipe.degree, pipe.virtual_stages
+    per_mb, comm_mb = [], []
+    for st in stages:
+        compute = st.fwd + st.bwd
+        if pipe.layered:  # gathers and reductions happen once per step: spread over the m micro-batches
+            exposed_dp = max(st.dp_mb / st.units, st.dp_mb - m * compute) / m
+        else:
+            exposed_dp = max(st.dp_mb / st.units, st.dp_mb - compute)
+        p2p = 2 * v * ctx.p2p_s(st.boundary_bytes) if p > 1 else 0.0
+        per_mb.append(compute + st.tp + exposed_dp + p2p)
+        comm_mb.append(st.tp + exposed_dp + p2p)
+    t = max(per_mb)
+    slow = per_mb.index(t)
+    if p == 1:
+        steady = m * t
+        bubble = 0.0
+    else:
+        fill = (p - 1) / v if pipe.schedule in ("interleaved-1f1b", "looped-bfs") or v > 1 else (p - 1)
+        steady, bubble = m * t, fill * t
+    # per-iteration gradient reduction overlaps the last backward, except its last bucket
+    sync = max(max(st.dp_iter / st.units, st.dp_iter - stages[i].bwd) for i, st in enumerate(stages))
+    opt = max(memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision), ctx.gpu) for st in stages)
+    compute = m * (stages[slow].fwd + stages[slow].bwd)
+    breakdown = TimeBreakdown(compute_s=compute, exposed_comm_s=steady - compute + sync, bubble_s=bubble,
+                              optimizer_s=opt)
+    return breakdown.total_s, breakdown, per_mb
+
+
+def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) -> list[MemoryBreakdown]:
+    groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
+    out = []
+    for i, st in enumerate(stages):
+        acts = st.saved * inflight_microbatches(i, pipe, m)
+        out.append(st.memory + MemoryBreakdown(activations_bytes=acts, transient_bytes=2 * st.transient,
+                                               other_bytes=framework_overhead_bytes(groups)))
+    return out
+
+
+def evaluate(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pipe: PipelineSpec,
+             *, global_batch: int) -> Evaluation:
+    """Predict iteration time, throughput and per-GPU memory of `assign` on `ctx` with pipeline `pipe`."""
+    missing = [op.name for op in graph.ops if op.kind in PLANNED_KINDS and op.name not in assign]
+    if missing:
+        raise ValueError(f"assignment lacks strategies for {len(missing)} ops, e.g. {missing[:3]}")
+    op_costs, edges = _costs(graph, assign, ctx)
+    stages = _accumulate(graph, assign, ctx, pipe, op_costs, edges)
+    m = ctx.num_microbatches
+    total, breakdown, per_mb = _iteration(stages, ctx, pipe, m)
+    mems = _memory(stages, ctx, pipe, m)
+    peak = max(mems, key=lambda x: x.total_bytes)
+    tokens = global_batch * (graph.seq_len or 1)
+    model_flops = 3.0 * graph.matmul_flops_per_sample * global_batch
+    n_gpus = ctx.mesh.size
+    tflops = model_flops / total / n_gpus / 1e12
+    pred = Prediction(iteration_time_s=total, tokens_per_s=tokens / total, mfu=tflops / ctx.gpu.peak_tflops,
+                      model_tflops_per_gpu=tflops, memory=peak, time=breakdown)
+    return Evaluation(prediction=pred, op_costs=op_costs, edge_costs=edges, stage_memory=tuple(mems),
+                      stage_time_s=tuple(per_mb))
+
+

@@ -1,0 +1,296 @@
+"""Cost of one operator under one strategy, and of moving a tensor between two layouts.
+
+The per-axis rules, applied to every mesh axis a of degree d:
+- Compute is split d ways when any operand is sharded on a; a Linear's local GEMM is
+  (tokens / token shards) x (out / S(out) shards) x (in / S(in) shards).
+- A parameter stored sharded on a but computed replicated on a is all-gathered for each use and its gradient
+  reduce-scattered (2D/3D weights over tp_r / tp_x; ZeRO-3 over dp); ops that keep only shards for backward
+  (`save_sharded_input`) gather again there.
+- A parameter replicated on a while the batch or sequence is sharded on a has a partial gradient: all-reduced
+  over a (a sequence-parallel norm's weight over tp; every replicated weight over dp, once per iteration).
+- An input replicated on a whose op splits the work through the weight (column-parallel) gets a partial input
+  gradient: the edge into the op reduces it in backward (Megatron's f operator).
+- A norm over a hidden dim sharded on a all-reduces its statistics (2 fp32 values per token).
+Data-parallel communication is returned apart from tensor-parallel communication because it overlaps with
+compute (FSDP prefetch, gradient reduction during backward); the evaluator decides how much is exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autoshard.capture.ir import Op, OpKind, TensorMeta
+from autoshard.cost_models.compute import (
+    FLASH_BACKWARD_FLOPS_FACTOR,
+    fused_attention_time_s,
+    gemm_time_s,
+    memory_bound_time_s,
+)
+from autoshard.cost_models.memory import model_state_bytes, tensor_bytes
+from autoshard.planner.context import PlanContext
+from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
+from autoshard.planner.plan import OpStrategy
+
+__all__ = ["OpCost", "EdgeCost", "op_cost", "edge_cost", "grad_partial_axes", "score_shaped"]
+
+_TOKEN = (BATCH, SEQ)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Per micro-batch unless named otherwise; seconds and bytes on one GPU."""
+
+    fwd_s: float
+    bwd_s: float
+    tp_fwd_s: float  # tensor-parallel communication inside the op, forward (critical path)
+    tp_bwd_s: float
+    dp_fwd_s: float  # ZeRO-3 parameter all-gather before the forward (prefetchable)
+    dp_bwd_s: float  # ZeRO-3 gather + gradient reduce-scatter in backward (overlappable)
+    dp_iter_s: float  # once per iteration: gradient all-reduce (ZeRO 0), reduce-scatter + gather (1, 2)
+    recompute_s: float  # forward work repeated in backward under the context's recompute mode
+    param_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+    saved_bytes: float  # activations kept for backward
+    transient_bytes: float  # parameters gathered while the op runs
+    comm: tuple[tuple[str, float], ...] = ()  # (collective, bytes) issued per micro-batch, for runtime checks
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.tp_fwd_s + self.tp_bwd_s + self.recompute_s
+
+    @property
+    def state_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
+@dataclass(frozen=True)
+class EdgeCost:
+    fwd_s: float
+    bwd_s: float
+    comm: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+def _deg(lay: Layout, ctx: PlanContext, placements: tuple[str, ...]) -> int:
+    return math.prod(ctx.mesh.degree(a) for a, p in lay.items if p in placements)
+
+
+def _axes(lay: Layout, placements: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(a for a, p in lay.items if p in placements)
+
+
+def score_shaped(meta: TensorMeta, seq: int | None) -> bool:
+    """An attention-score tensor (..., s, s): what selective recompute drops (Korthikanti et al. 2022)."""
+    return seq is not None and len(meta.shape) >= 2 and meta.shape[-1] == seq and meta.shape[-2] == seq
+
+
+def grad_partial_axes(strategy: OpStrategy) -> frozenset[str]:
+    """Axes on which this op's input gradient is a partial sum (input replicated, weight output-sharded)."""
+    if not strategy.params or not strategy.inputs:
+        return frozenset()
+    w = strategy.params[0].compute
+    return frozenset(a for a, p in w.items if p == OUT and strategy.inputs[0].get(a) == REPLICATE)
+
+
+# -- compute ----------------------------------------------------------------------------------------------
+def _compute_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
+    gpu, mb, prec = ctx.gpu, ctx.micro_batch, ctx.precision
+    ins = st.inputs[0] if st.inputs else st.output
+    if op.kind in (OpKind.LINEAR, OpKind.CONV) and op.gemm is not None:
+        m, n, k = op.gemm
+        w = st.params[0].compute if st.params else Layout()
+        m_local = max(1, m * mb // max(1, _deg(ins, ctx, _TOKEN)))
+        n_local = max(1, n // _deg(w, ctx, (OUT,)))
+        k_local = max(1, k // _deg(w, ctx, (IN,)))
+        ab = prec.act_bytes
+        fwd = gemm_time_s(m_local, n_local, k_local, gpu, bytes_per_elem=ab)
+        dw = gemm_time_s(n_local, k_local, m_local, gpu, bytes_per_elem=ab)
+        dx = gemm_time_s(m_local, k_local, n_local, gpu, bytes_per_elem=ab) if op.needs_input_grad else 0.0
+        return fwd, dw + dx
+    split = max(_deg(ins, ctx, (BATCH, SEQ, FEAT)), 1)
+    if op.kind is OpKind.ATTENTION:
+        flops = op.fwd_flops * mb / split
+        io = sum(tensor_bytes(t, prec, samples=mb) for t in (*op.input_meta[:3], op.output_meta)) / split
+        fwd = fused_attention_time_s(flops, io, gpu)
+        return fwd, fused_attention_time_s(flops * FLASH_BACKWARD_FLOPS_FACTOR, 2 * io, gpu)
+    if op.kind is OpKind.MATMUL and op.fwd_flops:
+        out = op.output_meta.shape
+        batch = max(1, math.prod(out[:-2]) * mb // split)
+        m, n = (out[-2], out[-1]) if len(out) >= 2 else (1, out[-1])
+        k = max(1, op.fwd_flops // max(1, 2 * math.prod(out)))
+        fwd = gemm_time_s(m, n, k, gpu, batch=batch, bytes_per_elem=prec.act_bytes)
+        return fwd, 2 * fwd
+    nbytes = sum(tensor_bytes(t, prec, samples=mb) for t in (*op.input_meta, op.output_meta)) / split
+    if op.kind is OpKind.EMBEDDING:
+        nbytes = 2 * tensor_bytes(op.output_meta, prec, samples=mb) / split
+    fwd = memory_bound_time_s(nbytes, gpu)
+    return fwd, 2 * fwd if op.kind is not OpKind.EMBEDDING else fwd
+
+
+# -- parameters ---------------------------------------------------------------------------------------------
+def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext):
+    """(states, tp fwd/bwd s, dp fwd/bwd/iter s, transient bytes, comm records) of the op's parameters."""
+    prec, mesh = ctx.precision, ctx.mesh
+    dp = mesh.degree("dp")
+    p_b = g_b = o_b = 0.0
+    tp_f = tp_b = dp_f = dp_b = dp_i = transient = 0.0
+    comm: list[tuple[str, float]] = []
+    ins = st.inputs[0] if st.inputs else st.output
+    tokens_sharded = set(_axes(ins, _TOKEN))
+    for pp in st.params:
+        numel = next(p.numel for p in op.params if p.name == pp.name)
+        local = numel / _deg(pp.storage, ctx, (OUT, IN))
+        at_compute = numel / _deg(pp.compute, ctx, (OUT, IN))
+        p, g, o = model_state_bytes(local, prec, zero=st.zero, dp=dp)
+        p_b, g_b, o_b = p_b + p, g_b + g, o_b + o
+        gather_axes = tuple(a for a in mesh.tp_axes if pp.storage.get(a) != pp.compute.get(a))
+        if gather_axes:  # 2D/3D weights: gathered per use, gradient reduce-scattered
+            nb = at_compute * prec.param_bytes
+            t = ctx.collective_s("all_gather", nb, gather_axes)
+            tp_f += t
+            tp_b += ctx.collective_s("reduce_scatter", at_compute * prec.grad_bytes, gather_axes)
+            tp_b += t if st.save_sharded_input else 0.0
+            transient = max(transient, nb)
+            comm += [("all_gather", nb * (2 if st.save_sharded_input else 1)),
+                     ("reduce_scatter", at_compute * prec.grad_bytes)]
+        partial_axes = tuple(a for a in mesh.tp_axes if a in tokens_sharded and pp.storage.get(a) == REPLICATE)
+        if partial_axes:  # replicated weight, sharded tokens: all-reduce its gradient over those axes
+            gb = local * prec.grad_bytes
+            tp_b += ctx.collective_s("all_reduce", gb, partial_axes)
+            comm.append(("all_reduce", gb))
+        f, b, i, tr, c = _dp_param_comm(local, st, ctx)
+        dp_f, dp_b, dp_i, transient = dp_f + f, dp_b + b, dp_i + i, max(transient, tr)
+        comm += c
+    return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm
+
+
+def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext):
+    """Data-parallel traffic of `local` parameters at ZeRO level `st.zero` (split into `st.split` slices)."""
+    prec, dp = ctx.precision, ctx.mesh.degree("dp")
+    if dp == 1:
+        return 0.0, 0.0, 0.0, 0.0, []
+    pb, gb = local * prec.param_bytes, local * prec.grad_bytes
+    s = st.split
+
+    def coll(kind: str, nbytes: float) -> float:
+        return s * ctx.collective_s(kind, nbytes / s, ("dp",))
+
+    if st.zero == 0:
+        return 0.0, 0.0, coll("all_reduce", gb), 0.0, []
+    if st.zero == 1:  # distributed optimizer: reduce-scatter accumulated gradients, gather updated params
+        return 0.0, 0.0, coll("reduce_scatter", gb) + coll("all_gather", pb), 0.0, []
+    if st.zero == 2:  # FSDP SHARD_GRAD_OP: reduce-scatter each micro-batch, gather once per iteration
+        return 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, [("reduce_scatter", gb)]
+    ag = coll("all_gather", pb)
+    return ag, ag + coll("reduce_scatter", gb), 0.0, pb / s, [("all_gather", 2 * pb), ("reduce_scatter", gb)]
+
+
+# -- activations ---------------------------------------------------------------------------------------------
+def _saved_bytes(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
+    """(bytes kept for backward, bytes that selective recompute drops) per micro-batch."""
+    ins = st.inputs[0] if st.inputs else st.output
+    div = max(1, _deg(ins, ctx, (BATCH, SEQ, FEAT)))
+    if st.save_sharded_input:
+        div *= math.prod(ctx.mesh.degree(a) for a in ctx.mesh.tp_axes if ins.get(a) == REPLICATE)
+    kept = dropped = 0.0
+    for t in op.saved:
+        b = tensor_bytes(t, ctx.precision, samples=ctx.micro_batch) / (div if t.batch_dims else 1)
+        if score_shaped(t, ctx.seq):
+            dropped += b
+        else:
+            kept += b
+    return kept, dropped
+
+
+def _norm_stats_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float, list]:
+    if op.kind is not OpKind.NORM or not st.inputs:
+        return 0.0, 0.0, []
+    feat_axes = _axes(st.inputs[0], (FEAT,))
+    if not feat_axes:
+        return 0.0, 0.0, []
+    tokens = op.output_meta.numel // max(1, op.output_meta.shape[-1]) * ctx.micro_batch
+    tokens /= max(1, _deg(st.inputs[0], ctx, _TOKEN))
+    nb = tokens * 2 * 4  # mean and variance (or sum of squares) in fp32
+    t = ctx.collective_s("all_reduce", nb, feat_axes)
+    return t, 2 * t, [("all_reduce", 3 * nb)]
+
+
+def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta | None = None) -> OpCost:
+    """Cost of `op` under `st`. `block_input`: for the first op of a repeated block under full recompute,
+    the block input it keeps (everything else in the block is recomputed)."""
+    fwd, bwd = _compute_s(op, st, ctx)
+    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm = _param_costs(op, st, ctx)
+    nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
+    tp_f, tp_b = tp_f + nf, tp_b + nb
+    kept, dropped = _saved_bytes(op, st, ctx)
+    recompute = 0.0
+    if ctx.recompute == "full" and op.layer is not None:
+        recompute, kept = fwd + tp_f, 0.0
+        if block_input is not None:
+            lay = st.inputs[0] if st.inputs else st.output
+            kept = tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(
+                1, _deg(lay, ctx, (BATCH, SEQ, FEAT)))
+    elif ctx.recompute == "selective" and dropped > 0:
+        recompute = fwd
+    else:
+        kept += dropped
+    return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
+                  dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
+                  optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
+                  comm=tuple(comm + ncomm))
+
+
+# -- edges -------------------------------------------------------------------------------------------------
+def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozenset[str],
+              ctx: PlanContext) -> EdgeCost:
+    """Redistribute a tensor from its producer's layout `src` to its consumer's `dst`, and its gradient back."""
+    if not meta.batch_dims:  # a tensor without a batch dim is never batch-sharded
+        src, dst = _drop_batch(src), _drop_batch(dst)
+    full = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch)
+    fwd = bwd = 0.0
+    comm: list[tuple[str, float]] = []
+    for axis in ctx.mesh.spmd_axes:
+        s, d = src.get(axis), dst.get(axis)
+        others = math.prod(ctx.mesh.degree(a) for a, p in dst.items if a != axis and p.startswith("S("))
+        size = full / others
+        f_kind, b_kind = _transition(s, d, axis in grad_partial)
+        if f_kind == "invalid":
+            return EdgeCost(math.inf, math.inf)
+        nbytes = size / ctx.mesh.degree(axis) if f_kind == "all_to_all" else size
+        if f_kind:
+            fwd += ctx.collective_s(f_kind, nbytes, (axis,))
+            comm.append((f_kind, nbytes))
+        if b_kind:
+            bwd += ctx.collective_s(b_kind, nbytes, (axis,))
+            comm.append((b_kind, nbytes))
+    return EdgeCost(fwd, bwd, tuple(comm))
+
+
+def _drop_batch(lay: Layout) -> Layout:
+    out = lay
+    for a, p in lay.items:
+        if p == BATCH:
+            out = out.with_(a, REPLICATE)
+    return out
+
+
+def _transition(s: str, d: str, partial_grad: bool) -> tuple[str | None, str | None]:
+    """(forward collective, backward collective) to go from placement s to d on one axis."""
+    if d == PARTIAL and s != PARTIAL:
+        return "invalid", None
+    if s == d:
+        return None, ("all_reduce" if partial_grad and d == REPLICATE else None)
+    if s == REPLICATE:  # slice forward; the gradient must be gathered back
+        return None, "all_gather"
+    if s == PARTIAL:
+        if d == REPLICATE:
+            return "all_reduce", ("all_reduce" if partial_grad else None)
+        return "reduce_scatter", "all_gather"
+    if d == REPLICATE:  # a shard gathered; a partial gradient is reduce-scattered back, a full one sliced
+        return "all_gather", ("reduce_scatter" if partial_grad else None)
+    return "all_to_all", "all_to_all"
