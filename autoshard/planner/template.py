@@ -1,0 +1,67 @@
+"""The template graph the ILP is written on: repeated blocks folded into one, edges merged with multiplicities.
+
+Block k of a group behaves like block 0, so the ILP has one set of variables per block *type*. An edge of
+the real graph maps to a template edge (producer's template op -> consumer's template op, input index);
+edges that map to the same template edge merge and count how many real edges they stand for, per pipeline
+stage. The recurrent edge from block k-1 into block k is one template edge standing for count-1 real ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoshard.capture.ir import Op, OpGraph, TensorMeta
+from autoshard.planner.evaluate import planned_edges
+from autoshard.planner.strategies import PLANNED_KINDS
+
+__all__ = ["TemplateEdge", "TemplateGraph", "build_template"]
+
+
+@dataclass
+class TemplateEdge:
+    src: str
+    dst: str
+    index: int
+    meta: TensorMeta
+    per_stage: list[int]  # real edges per pipeline stage (by consumer)
+    in_block: bool  # both ends in the same repeated block: recomputed with the block under full recompute
+
+
+@dataclass
+class TemplateGraph:
+    ops: list[Op]
+    per_stage: dict[str, list[int]]  # template op -> real instances per stage
+    edges: list[TemplateEdge]
+    outputs: list[str]  # template ops whose outputs leave the model
+    to_template: dict[str, str]  # real op -> template op
+    firsts: set[str] = field(default_factory=set)  # template ops that open a block
+
+
+def build_template(graph: OpGraph, stage_of_op: dict[str, int], num_stages: int) -> TemplateGraph:
+    to_t: dict[str, str] = {}
+    for group in graph.blocks:
+        for names in group.op_names:
+            for j, n in enumerate(names):
+                to_t[n] = group.op_names[0][j]
+    for op in graph.ops:
+        to_t.setdefault(op.name, op.name)
+    per_stage: dict[str, list[int]] = {}
+    for op in graph.ops:
+        if op.kind not in PLANNED_KINDS:
+            continue
+        counts = per_stage.setdefault(to_t[op.name], [0] * num_stages)
+        counts[stage_of_op[op.name]] += 1
+    ops = [graph.op(n) for n in per_stage]
+    edges: dict[tuple[str, str, int], TemplateEdge] = {}
+    for src, dst, i, meta in planned_edges(graph):
+        key = (to_t[src], to_t[dst], i)
+        e = edges.get(key)
+        if e is None:
+            same_block = graph.op(src).layer is not None and graph.op(src).layer == graph.op(dst).layer
+            e = edges[key] = TemplateEdge(src=key[0], dst=key[1], index=i, meta=meta,
+                                          per_stage=[0] * num_stages, in_block=same_block)
+        e.per_stage[stage_of_op[dst]] += 1
+    outputs = sorted({to_t[n] for n in graph.outputs})
+    firsts = {group.op_names[0][0] for group in graph.blocks}
+    return TemplateGraph(ops=ops, per_stage=per_stage, edges=list(edges.values()), outputs=outputs,
+                         to_template=to_t, firsts=firsts)
