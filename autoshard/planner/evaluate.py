@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoshard.capture.ir import Op, OpGraph, TensorMeta
+from autoshard.capture.ir import OpGraph, TensorMeta
 from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.cost_models.compute import memory_bound_time_s
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes, tensor_bytes
@@ -27,17 +27,17 @@ from autoshard.planner.context import PlanContext
 from autoshard.planner.layouts import BATCH, Layout
 from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.plan import OpStrategy, PipelineSpec, Prediction
-from autoshard.planner.strategies import PLANNED_KINDS
+from autoshard.planner.strategies import PLANNED_KINDS, same_strategy
+from autoshard.planner.template import build_template, planned_edges, stage_of
 
-__all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches",
-           "planned_edges"]
+__all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches"]
 
 
 @dataclass(frozen=True)
 class Evaluation:
     prediction: Prediction
     op_costs: dict[str, OpCost]
-    edge_costs: dict[tuple[str, int], EdgeCost]  # (consumer op, input index) -> cost
+    edge_costs: dict[tuple[str, str, int], EdgeCost]  # template (producer, consumer, input index) -> cost
     stage_memory: tuple[MemoryBreakdown, ...]
     stage_time_s: tuple[float, ...]  # per micro-batch, per stage
 
@@ -58,36 +58,6 @@ def block_inputs(graph: OpGraph) -> dict[str, TensorMeta]:
     return out
 
 
-def stage_of(graph: OpGraph, pipe: PipelineSpec) -> dict[str, int]:
-    """Pipeline chunk of every op: blocks by `stage_layers`, ops before the blocks in the first chunk,
-    after them in the last. Chunk c runs on stage c mod degree."""
-    chunks = pipe.degree * pipe.virtual_stages
-    if chunks == 1 or not pipe.stage_layers:
-        return {op.name: 0 for op in graph.ops}
-    layer_chunk = {}
-    for c, (lo, hi) in enumerate(pipe.stage_layers):
-        for layer in range(lo, hi):
-            layer_chunk[layer] = c
-    out, seen_block = {}, False
-    for op in graph.ops:
-        if op.layer is not None:
-            seen_block = True
-            out[op.name] = layer_chunk[op.layer]
-        else:
-            out[op.name] = chunks - 1 if seen_block else 0
-    return out
-
-
-def planned_edges(graph: OpGraph):
-    """(producer, consumer, input index, meta) for every activation edge the planner prices."""
-    for op in graph.ops:
-        if op.kind not in PLANNED_KINDS:
-            continue
-        for i, (src, meta) in enumerate(zip(op.inputs, op.input_meta, strict=True)):
-            if graph.op(src).kind in PLANNED_KINDS:
-                yield src, op.name, i, meta
-
-
 def inflight_microbatches(stage: int, pipe: PipelineSpec, m: int) -> float:
     """Micro-batches whose activations a stage holds at its peak (Korthikanti et al. 2022 §4.2.3)."""
     p, v = pipe.degree, pipe.virtual_stages
@@ -100,35 +70,6 @@ def inflight_microbatches(stage: int, pipe: PipelineSpec, m: int) -> float:
     return float(min(m, p - stage))
 
 
-def _costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext):
-    firsts = block_inputs(graph)
-    cache: dict[tuple, OpCost] = {}
-    op_costs = {}
-    for op in graph.ops:
-        st = assign.get(op.name)
-        if st is None:
-            continue
-        key = (_op_key(op), st, op.name in firsts)
-        if key not in cache:
-            cache[key] = op_cost(op, st, ctx, block_input=firsts.get(op.name))
-        op_costs[op.name] = cache[key]
-    edges = {}
-    for src, dst, i, meta in planned_edges(graph):
-        s_st, d_st = assign[src], assign[dst]
-        edges[(dst, i)] = edge_cost(meta, s_st.output, d_st.inputs[i], grad_partial_axes(d_st) if i == 0
-                                    else frozenset(), ctx)
-    for name in graph.outputs:
-        edges[(f"<output:{name}>", 0)] = edge_cost(graph.op(name).output_meta, assign[name].output,
-                                                   sink_layout(ctx), frozenset(), ctx)
-    return op_costs, edges
-
-
-def _op_key(op: Op) -> tuple:
-    """Ops of different blocks with the same role cost the same: key them by role, not name."""
-    return (op.kind, op.module_type, op.output_meta, op.input_meta, tuple(p.shape for p in op.params),
-            op.fwd_flops, op.saved, op.needs_input_grad, op.layer is not None, op.gemm)
-
-
 @dataclass
 class _Stage:
     fwd: float = 0.0
@@ -138,41 +79,55 @@ class _Stage:
     dp_iter: float = 0.0
     units: int = 0
     memory: MemoryBreakdown = MemoryBreakdown()
-    params: float = 0.0
+    params: float = 0.0  # local parameter count (optimizer step)
     saved: float = 0.0
     transient: float = 0.0
     boundary_bytes: float = 0.0
 
 
-def _accumulate(graph, assign, ctx, pipe, op_costs, edges) -> list[_Stage]:
-    chunk = stage_of(graph, pipe)
+def _template_costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, tg):
+    """Costs of template ops and template edges (every block instance shares its template's strategy)."""
+    firsts = block_inputs(graph)
+    op_costs = {op.name: op_cost(op, assign[op.name], ctx, block_input=firsts.get(op.name)) for op in tg.ops}
+    edges = {}
+    for e in tg.edges:
+        d_st = assign[e.dst]
+        edges[(e.src, e.dst, e.index)] = edge_cost(
+            e.meta, assign[e.src].output, d_st.inputs[e.index],
+            grad_partial_axes(d_st) if e.index == 0 else frozenset(), ctx)
+    outs = {name: edge_cost(graph.op(name).output_meta, assign[name].output, sink_layout(ctx), frozenset(), ctx)
+            for name in tg.outputs}
+    return op_costs, edges, outs
+
+
+def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> list[_Stage]:
     stages = [_Stage() for _ in range(pipe.degree)]
-    layers_in_stage: list[set] = [set() for _ in range(pipe.degree)]
-    for op in graph.ops:
-        c = op_costs.get(op.name)
-        if c is None:
-            continue
-        st = stages[chunk[op.name] % pipe.degree]
-        st.fwd += c.fwd_s
-        st.bwd += c.bwd_s + c.recompute_s
-        st.tp += c.tp_fwd_s + c.tp_bwd_s
-        st.dp_mb += c.dp_fwd_s + c.dp_bwd_s
-        st.dp_iter += c.dp_iter_s
-        st.params += op.param_numel / max(1, _shards(assign[op.name], ctx))
-        st.memory = st.memory + MemoryBreakdown(params_bytes=c.param_bytes, grads_bytes=c.grad_bytes,
-                                                optimizer_bytes=c.optim_bytes)
-        st.saved += c.saved_bytes
-        st.transient = max(st.transient, c.transient_bytes)
-        if op.layer is not None:
-            layers_in_stage[chunk[op.name] % pipe.degree].add(op.layer)
-    for (dst, _), e in edges.items():
-        name = dst[len("<output:"):-1] if dst.startswith("<output:") else dst
-        st = stages[chunk[name] % pipe.degree]
-        recompute_fwd = e.fwd_s if ctx.recompute == "full" and graph.op(name).layer is not None else 0.0
-        st.tp += e.fwd_s + e.bwd_s + recompute_fwd
-    for i, st in enumerate(stages):
-        st.units = max(1, len(layers_in_stage[i]))
-    _boundaries(graph, assign, ctx, pipe, chunk, stages)
+    for op in tg.ops:
+        c = op_costs[op.name]
+        for k, n in enumerate(tg.per_stage[op.name]):
+            if not n:
+                continue
+            st = stages[k]
+            st.fwd += n * c.fwd_s
+            st.bwd += n * (c.bwd_s + c.recompute_s)
+            st.tp += n * (c.tp_fwd_s + c.tp_bwd_s)
+            st.dp_mb += n * (c.dp_fwd_s + c.dp_bwd_s)
+            st.dp_iter += n * c.dp_iter_s
+            st.params += n * c.param_bytes / ctx.precision.param_bytes
+            st.memory = st.memory + MemoryBreakdown(params_bytes=n * c.param_bytes, grads_bytes=n * c.grad_bytes,
+                                                    optimizer_bytes=n * c.optim_bytes)
+            st.saved += n * c.saved_bytes
+            st.transient = max(st.transient, c.transient_bytes)
+    for e in tg.edges:
+        c = edges[(e.src, e.dst, e.index)]
+        t = c.time_s + (c.fwd_s if ctx.recompute == "full" and e.in_block else 0.0)
+        for k, n in enumerate(e.per_stage):
+            stages[k].tp += n * t
+    for name, c in outs.items():
+        stages[stage[name]].tp += c.time_s
+    for k, st in enumerate(stages):
+        st.units = max(1, len({op.layer for op in graph.ops if op.layer is not None and stage[op.name] == k}))
+    _boundaries(graph, assign, ctx, pipe, stage, stages)
     return stages
 
 
@@ -183,16 +138,17 @@ def _shards(st: OpStrategy, ctx: PlanContext) -> int:
     return math.prod(ctx.mesh.degree(a) for a, p in lay.items if p.startswith("S("))
 
 
-def _boundaries(graph, assign, ctx, pipe, chunk, stages) -> None:
+def _boundaries(graph, assign, ctx, pipe, stage, stages) -> None:
     """Bytes sent between consecutive chunks per micro-batch (the activation crossing the cut)."""
     if pipe.degree == 1:
         return
+    chunk = stage_of(graph, pipe)
     for src, dst, _, meta in planned_edges(graph):
         if chunk[src] != chunk[dst]:
             lay = assign[src].output
             shards = math.prod(ctx.mesh.degree(a) for a, p in lay.items if p.startswith("S(") and a != "dp")
             nb = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / max(1, shards)
-            st = stages[chunk[src] % pipe.degree]
+            st = stages[stage[src]]
             st.boundary_bytes = max(st.boundary_bytes, nb)
 
 
@@ -242,8 +198,13 @@ def evaluate(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pi
     missing = [op.name for op in graph.ops if op.kind in PLANNED_KINDS and op.name not in assign]
     if missing:
         raise ValueError(f"assignment lacks strategies for {len(missing)} ops, e.g. {missing[:3]}")
-    op_costs, edges = _costs(graph, assign, ctx)
-    stages = _accumulate(graph, assign, ctx, pipe, op_costs, edges)
+    stage = {n: c % pipe.degree for n, c in stage_of(graph, pipe).items()}
+    tg = build_template(graph, stage, pipe.degree)
+    untied = [n for n, t in tg.to_template.items() if n in assign and not same_strategy(assign[n], assign[t])]
+    if untied:
+        raise ValueError(f"blocks must share strategies: {untied[0]} differs from {tg.to_template[untied[0]]}")
+    op_costs, edges, outs = _template_costs(graph, assign, ctx, tg)
+    stages = _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage)
     m = ctx.num_microbatches
     total, breakdown, per_mb = _iteration(stages, ctx, pipe, m)
     mems = _memory(stages, ctx, pipe, m)
@@ -254,7 +215,8 @@ def evaluate(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pi
     tflops = model_flops / total / n_gpus / 1e12
     pred = Prediction(iteration_time_s=total, tokens_per_s=tokens / total, mfu=tflops / ctx.gpu.peak_tflops,
                       model_tflops_per_gpu=tflops, memory=peak, time=breakdown)
-    return Evaluation(prediction=pred, op_costs=op_costs, edge_costs=edges, stage_memory=tuple(mems),
-                      stage_time_s=tuple(per_mb))
+    return Evaluation(prediction=pred, op_costs={n: op_costs[t] for n, t in tg.to_template.items()
+                                                 if t in op_costs}, edge_costs=edges,
+                      stage_memory=tuple(mems), stage_time_s=tuple(per_mb))
 
 

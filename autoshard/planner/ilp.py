@@ -44,11 +44,12 @@ import pulp
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
 from autoshard.planner.context import PlanContext
-from autoshard.planner.evaluate import block_inputs, inflight_microbatches, sink_layout, stage_of
+from autoshard.planner.evaluate import block_inputs, inflight_microbatches, sink_layout
 from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.physical import physical_key
 from autoshard.planner.plan import OpStrategy, PipelineSpec
-from autoshard.planner.template import TemplateGraph, build_template
+from autoshard.planner.strategies import rebind
+from autoshard.planner.template import TemplateGraph, build_template, stage_of
 
 __all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "extract_assignment"]
 
@@ -68,6 +69,7 @@ class EdgeVar(NamedTuple):
 
 @dataclass
 class Problem:
+    graph: OpGraph
     lp: pulp.LpProblem
     template: TemplateGraph
     strategies: dict[str, list[OpStrategy]]
@@ -263,7 +265,7 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
         for o in opts:
             lp += o <= O
         lp += (ctx.num_microbatches + fill) * T + S + O
-    return Problem(lp=lp, template=tg, strategies=strategies, costs=costs, x=x, memory_exprs=mem, time_var=T)
+    return Problem(graph=graph, lp=lp, template=tg, strategies=strategies, costs=costs, x=x, memory_exprs=mem, time_var=T)
 
 
 def _fill(pipe: PipelineSpec) -> float:
@@ -311,7 +313,7 @@ def extract_assignment(problem: Problem, solution: Solution) -> dict[str, OpStra
     out = {}
     for real, tmpl in problem.template.to_template.items():
         if tmpl in solution.choice:
-            out[real] = problem.strategies[tmpl][solution.choice[tmpl]]
+            out[real] = rebind(problem.strategies[tmpl][solution.choice[tmpl]], problem.graph.op(real))
     return out
 
 

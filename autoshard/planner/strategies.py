@@ -20,7 +20,7 @@ Every family is a choice of *role* per mesh axis; costs follow from the roles (s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoshard.capture.ir import Op, OpKind, TensorMeta
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout, MeshSpec
@@ -28,7 +28,7 @@ from autoshard.planner.layouts import layout as _lay
 from autoshard.planner.plan import OpStrategy, ParamPlacement
 
 __all__ = ["TPOption", "linear_tp_options", "layout_vocabulary", "strategies_for", "fits", "feat_dim", "seq_dim",
-           "PLANNED_KINDS", "ZERO_OPTIONS", "SPLIT_OPTIONS", "dp_options", "with_dp", "no_batch"]
+           "PLANNED_KINDS", "ZERO_OPTIONS", "SPLIT_OPTIONS", "dp_options", "with_dp", "no_batch", "rebind", "same_strategy"]
 
 # Ops off the gradient path (inputs, masks) have no strategy: every rank computes them locally.
 PLANNED_KINDS = tuple(k for k in OpKind if k not in (OpKind.INPUT, OpKind.INDEX))
@@ -263,6 +263,20 @@ def _follow_name(lay: Layout) -> str:
     if not lay.items:
         return "replicate"
     return "+".join(f"{a}:{p}" for a, p in lay.items)
+
+
+def rebind(st: OpStrategy, op: Op) -> OpStrategy:
+    """`st` (chosen for another instance of the same block op) with `op`'s own parameter names."""
+    if not st.params:
+        return st
+    ordered = sorted(op.params, key=lambda p: -len(p.shape))
+    return replace(st, params=tuple(replace(pp, name=p.name) for pp, p in zip(st.params, ordered, strict=True)))
+
+
+def same_strategy(a: OpStrategy, b: OpStrategy) -> bool:
+    """Equal up to parameter names (instances of one block op)."""
+    return replace(a, params=tuple(replace(p, name="") for p in a.params)) == \
+        replace(b, params=tuple(replace(p, name="") for p in b.params))
 
 
 def strategies_for(op: Op, mesh: MeshSpec, micro_batch: int, *, zero_options=ZERO_OPTIONS) -> list[OpStrategy]:

@@ -11,10 +11,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoshard.capture.ir import Op, OpGraph, TensorMeta
-from autoshard.planner.evaluate import planned_edges
+from autoshard.planner.plan import PipelineSpec
 from autoshard.planner.strategies import PLANNED_KINDS
 
-__all__ = ["TemplateEdge", "TemplateGraph", "build_template"]
+__all__ = ["TemplateEdge", "TemplateGraph", "build_template", "planned_edges", "stage_of"]
+
+
+def planned_edges(graph: OpGraph):
+    """(producer, consumer, input index, meta) for every activation edge the planner prices."""
+    for op in graph.ops:
+        if op.kind not in PLANNED_KINDS:
+            continue
+        for i, (src, meta) in enumerate(zip(op.inputs, op.input_meta, strict=True)):
+            if graph.op(src).kind in PLANNED_KINDS:
+                yield src, op.name, i, meta
+
+
+def stage_of(graph: OpGraph, pipe: PipelineSpec) -> dict[str, int]:
+    """Pipeline chunk of every op: blocks by `stage_layers`, ops before the blocks in the first chunk,
+    after them in the last. Chunk c runs on stage c mod degree."""
+    chunks = pipe.degree * pipe.virtual_stages
+    if chunks == 1 or not pipe.stage_layers:
+        return {op.name: 0 for op in graph.ops}
+    layer_chunk = {}
+    for c, (lo, hi) in enumerate(pipe.stage_layers):
+        for layer in range(lo, hi):
+            layer_chunk[layer] = c
+    out, seen_block = {}, False
+    for op in graph.ops:
+        if op.layer is not None:
+            seen_block = True
+            out[op.name] = layer_chunk[op.layer]
+        else:
+            out[op.name] = chunks - 1 if seen_block else 0
+    return out
+
 
 
 @dataclass
