@@ -77,7 +77,9 @@ class EdgeCost:
 
 
 def _deg(lay: Layout, ctx: PlanContext, placements: tuple[str, ...]) -> int:
-    return math.prod(ctx.mesh.degree(a) for a, p in lay.items if p in placements)
+    """Pieces a tensor is cut into inside one data-parallel replica (the micro-batch is per replica already,
+    so the dp axis never divides it again)."""
+    return math.prod(ctx.mesh.degree(a) for a, p in lay.items if p in placements and a != "dp")
 
 
 def _axes(lay: Layout, placements: tuple[str, ...]) -> tuple[str, ...]:
@@ -254,9 +256,10 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
     full = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch)
     fwd = bwd = 0.0
     comm: list[tuple[str, float]] = []
-    for axis in ctx.mesh.spmd_axes:
+    for axis in ctx.mesh.tp_axes:  # dp is S(batch) on both ends: nothing moves
         s, d = src.get(axis), dst.get(axis)
-        others = math.prod(ctx.mesh.degree(a) for a, p in dst.items if a != axis and p.startswith("S("))
+        others = math.prod(ctx.mesh.degree(a) for a, p in dst.items
+                           if a not in (axis, "dp") and p.startswith("S("))
         size = full / others
         f_kind, b_kind = _transition(s, d, axis in grad_partial)
         if f_kind == "invalid":

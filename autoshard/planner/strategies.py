@@ -125,6 +125,8 @@ def fits(meta: TensorMeta, lay: Layout, mesh: MeshSpec, micro_batch: int) -> boo
         return True
     batch_deg = feat_deg = seq_deg = 1
     for axis, pl in lay.items:
+        if axis == "dp":  # the micro-batch is per data-parallel replica
+            continue
         d = mesh.degree(axis)
         if pl == BATCH:
             batch_deg *= d

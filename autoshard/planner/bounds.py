@@ -1,0 +1,142 @@
+"""Cheap lower bounds on a configuration's iteration time and memory, for pruning the search.
+
+Time: every op at the best split any strategy could give it (all tensor-parallel axes), at perfect GEMM
+efficiency (peak x the profile's large-GEMM efficiency) or full HBM bandwidth, no communication, perfectly
+balanced pipeline stages, plus the schedule's fill. No plan of the configuration can beat it.
+Memory: model states sharded as far as the allowed ZeRO levels go, activations at the smallest the recompute
+mode allows, on the first pipeline stage (which holds the most micro-batches in flight).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from autoshard.capture.ir import OpGraph, OpKind
+from autoshard.cost_models.compute import ATTENTION_EFFICIENCY_VS_GEMM, FLASH_BACKWARD_FLOPS_FACTOR
+from autoshard.cost_models.memory import Precision, tensor_bytes
+from autoshard.planner.opcost import score_shaped
+from autoshard.planner.strategies import PLANNED_KINDS
+
+__all__ = ["GraphTotals", "graph_totals", "time_lower_bound_s", "memory_lower_bound_bytes", "block_costs"]
+
+_GEMM = (OpKind.LINEAR, OpKind.CONV, OpKind.MATMUL)
+
+
+@dataclass(frozen=True)
+class GraphTotals:
+    """Per-sample totals over the graph, split into repeated-block and other ops."""
+
+    gemm_fwd: float
+    gemm_bwd: float
+    gemm_fwd_block: float  # recomputed under full recompute
+    attn_fwd: float
+    attn_fwd_block: float
+    io_elems: float  # memory-bound elements read + written (x activation bytes later)
+    io_elems_block: float
+    score_fwd: float  # forward FLOPs of ops that selective recompute repeats
+    params: float
+    saved_elems: float  # activation elements kept (bytes at the precision)
+    saved_score_elems: float
+    block_input_elems: float  # what full recompute keeps per block
+
+
+@functools.lru_cache(maxsize=32)
+def _totals_cached(graph: OpGraph) -> GraphTotals:
+    g = dict.fromkeys(GraphTotals.__dataclass_fields__, 0.0)
+    seq = graph.seq_len
+    for op in graph.ops:
+        if op.kind not in PLANNED_KINDS:
+            continue
+        blk = op.layer is not None
+        if op.kind in _GEMM:
+            g["gemm_fwd"] += op.fwd_flops
+            g["gemm_bwd"] += op.bwd_flops
+            g["gemm_fwd_block"] += op.fwd_flops if blk else 0.0
+        elif op.kind is OpKind.ATTENTION:
+            g["attn_fwd"] += op.fwd_flops
+            g["attn_fwd_block"] += op.fwd_flops if blk else 0.0
+        else:
+            io = sum(m.numel for m in (*op.input_meta, op.output_meta) if m.batch_dims)
+            g["io_elems"] += io
+            g["io_elems_block"] += io if blk else 0.0
+        scored = False
+        for t in op.saved:  # non-float tensors (1-byte masks) at a quarter element: never above their bytes
+            w = t.numel if t.dtype.startswith(("float", "bfloat")) else t.numel / 4
+            g["saved_elems"] += w
+            if score_shaped(t, seq):
+                g["saved_score_elems"] += w
+                scored = True
+        g["score_fwd"] += op.fwd_flops if scored else 0.0
+    g["params"] = float(graph.num_params)
+    for group in graph.blocks:
+        first = graph.op(group.op_names[0][0])
+        if first.input_meta:
+            g["block_input_elems"] += first.input_meta[0].numel * group.count
+    return GraphTotals(**g)
+
+
+def graph_totals(graph: OpGraph) -> GraphTotals:
+    return _totals_cached(graph)
+
+
+def time_lower_bound_s(graph: OpGraph, gpu, precision: Precision, *, tp_degree: int, pp: int, micro_batch: int,
+                       num_microbatches: int, fill: float, recompute: str) -> float:
+    t = graph_totals(graph)
+    gemm = t.gemm_fwd + t.gemm_bwd + (t.gemm_fwd_block if recompute == "full" else 0.0)
+    attn = t.attn_fwd * (1 + FLASH_BACKWARD_FLOPS_FACTOR) + (t.attn_fwd_block if recompute == "full" else 0.0)
+    io = t.io_elems * 3 + (t.io_elems_block if recompute == "full" else 0.0)
+    if recompute == "selective":
+        gemm += t.score_fwd
+    peak = gpu.peak_tflops * 1e12 * gpu.max_gemm_efficiency
+    per_sample = gemm / peak + attn / (peak * ATTENTION_EFFICIENCY_VS_GEMM) + \
+        io * precision.act_bytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
+    per_mb_stage = per_sample * micro_batch / (tp_degree * pp)
+    return (num_microbatches + fill) * per_mb_stage
+
+
+def memory_lower_bound_bytes(graph: OpGraph, precision: Precision, *, tp_degree: int, pp: int, dp: int,
+                             max_zero: int, micro_batch: int, inflight: float, recompute: str) -> float:
+    t = graph_totals(graph)
+    local = t.params / (tp_degree * pp)
+    per = precision.state_bytes_per_param
+    if max_zero >= 3:
+        states = local * per / dp
+    elif max_zero == 2:
+        states = local * (precision.param_bytes + (per - precision.param_bytes) / dp)
+    else:
+        states = local * per
+    if recompute == "full":
+        acts = t.block_input_elems
+    elif recompute == "selective":
+        acts = t.saved_elems - t.saved_score_elems
+    else:
+        acts = t.saved_elems
+    acts *= precision.act_bytes * micro_batch / (tp_degree * pp) * inflight
+    return states + acts
+
+
+def block_costs(graph: OpGraph) -> tuple[float, float, float]:
+    """(before the blocks, one block, after the blocks) in forward FLOP-equivalents, for stage balancing.
+    Memory-bound work counts at a 100 FLOP/byte exchange rate (an A100's ridge point is ~150)."""
+    pre = block = post = 0.0
+    seen_block = False
+    first_layer = None
+    for op in graph.ops:
+        w = op.fwd_flops if op.kind in (*_GEMM, OpKind.ATTENTION) else 100.0 * sum(
+            tensor_bytes(m, _BYTES2) for m in (*op.input_meta, op.output_meta))
+        if op.layer is None:
+            if seen_block:
+                post += w
+            else:
+                pre += w
+        else:
+            seen_block = True
+            if first_layer is None:
+                first_layer = op.layer
+            if op.layer == first_layer:
+                block += w
+    return pre, block, post
+
+
+_BYTES2 = Precision(name="count", act_bytes=2, param_bytes=2, grad_bytes=2, master_bytes=4, optim_bytes=8)

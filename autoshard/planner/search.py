@@ -1,0 +1,270 @@
+"""The search around the ILP: meshes, pipeline layouts, micro-batch and recompute.
+
+Candidates are enumerated (tensor-parallel axes inside a node first, data parallel outermost, pipeline
+degrees that divide the GPUs), given a lower bound on iteration time and memory (`bounds.py`), sorted by the
+time bound, and solved in that order; the search stops when the next bound cannot beat the best plan found.
+Ties break on the candidate order, which is deterministic: same inputs, same plan. The objective is tokens/s
+at the given global batch, i.e. the shortest iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autoshard.capture.ir import OpGraph
+from autoshard.errors import InfeasiblePlanError
+from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
+from autoshard.planner.context import PlanContext, default_precision
+from autoshard.planner.evaluate import Evaluation, evaluate, inflight_microbatches
+from autoshard.planner.ilp import build_problem, extract_assignment, solve
+from autoshard.planner.layouts import MeshSpec
+from autoshard.planner.plan import OpStrategy, PipelineSpec
+from autoshard.planner.stages import balanced_stage_layers
+from autoshard.planner.strategies import strategies_for
+from autoshard.planner.template import build_template
+
+__all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search", "parse_space", "allowed"]
+
+log = logging.getLogger(__name__)
+SPACE = ("dp", "zero", "tp1d", "tp2d", "tp3d", "pp")
+_FAMILY_OF = {"col": "tp1d", "row": "tp1d", "col+sp": "tp1d", "vocab": "tp1d", "2d": "tp2d", "3d-yz": "tp3d",
+              "3d-zy": "tp3d"}
+
+
+def parse_space(text: str | None) -> frozenset[str]:
+    if not text:
+        return frozenset(SPACE)
+    parts = frozenset(p.strip().lower() for p in text.split(",") if p.strip())
+    bad = parts - set(SPACE)
+    if bad:
+        from autoshard.errors import ConfigurationError
+
+        raise ConfigurationError(f"--space {text!r}: unknown families {', '.join(sorted(bad))}; choose from "
+                                 f"{', '.join(SPACE)} (e.g. dp,zero for OSDP's space)")
+    return parts
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: MeshSpec
+    micro_batch: int
+    num_microbatches: int
+    recompute: str
+    pipe: PipelineSpec
+    time_lb_s: float
+    memory_lb_bytes: float
+
+
+@dataclass
+class SearchResult:
+    assignment: dict[str, OpStrategy]
+    candidate: Candidate
+    evaluation: Evaluation
+    solve_time_s: float
+    considered: int = 0
+    solved: int = 0
+    pruned_memory: int = 0
+    log: list[str] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _heads(graph: OpGraph) -> int:
+    for op in graph.ops:
+        if op.kind.value in ("attention", "matmul") and len(op.output_meta.shape) == 4:
+            return op.output_meta.shape[1]
+    return 0
+
+
+def _tp_meshes(gpn: int, heads: int, space: frozenset[str]) -> list[dict[str, int]]:
+    """Tensor-parallel axes: 1D degrees inside a node, 2D q x q and 3D q x q x q grids."""
+    out: list[dict[str, int]] = [{}]
+    ok = (lambda q: heads == 0 or heads % q == 0)
+    if "tp1d" in space:
+        out += [{"tp": t} for t in _divisors(gpn) if t > 1 and ok(t)]
+    if "tp2d" in space:
+        out += [{"tp_r": q, "tp_c": q} for q in (2, 4, 8) if q * q <= max(gpn, 4) * 4 and ok(q)]
+    if "tp3d" in space:
+        out += [{"tp_x": q, "tp_y": q, "tp_z": q} for q in (2, 4) if ok(q)]
+    return out
+
+
+def _pipelines(graph: OpGraph, pp: int, space: frozenset[str], m: int) -> list[PipelineSpec]:
+    layers = graph.num_layers
+    if pp == 1:
+        out = [PipelineSpec()]
+        if "zero" in space and m > 1:  # layered gradient accumulation alone (Lamy-Poirier 2021 §3)
+            out.append(PipelineSpec(schedule="looped-bfs", layered=True))
+        return out
+    pre, block, post = block_costs(graph)
+    specs = []
+    for schedule, vs in (("1f1b", (1,)), ("interleaved-1f1b", (2, 3, 4)), ("looped-bfs", (2, 4))):
+        for v in vs:
+            if layers < pp * v:
+                continue
+            stage_layers = balanced_stage_layers(layers, pp, v, pre, block, post)
+            specs.append(PipelineSpec(degree=pp, schedule=schedule, virtual_stages=v, stage_layers=stage_layers,
+                                      layered=schedule == "looped-bfs"))
+    return specs
+
+
+def _fill(pipe: PipelineSpec) -> float:
+    if pipe.degree == 1:
+        return 0.0
+    return (pipe.degree - 1) / pipe.virtual_stages if pipe.virtual_stages > 1 else float(pipe.degree - 1)
+
+
+def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str],
+                         cap_bytes: float) -> tuple[list[Candidate], int]:
+    """(candidates that may fit, number pruned by the memory bound), sorted by time bound."""
+    n, gpn = cluster.num_gpus, cluster.gpus_per_node
+    prec = default_precision(cluster)
+    recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) else [])
+    max_zero = 3 if "zero" in space else 0
+    pps = [p for p in _divisors(n) if p == 1 or ("pp" in space and graph.blocks and p <= graph.num_layers)]
+    found, pruned = [], 0
+    for pp in pps:
+        for tp in _tp_meshes(gpn, _heads(graph), space):
+            tdeg = math.prod(tp.values())
+            if n % (pp * tdeg):
+                continue
+            dp = n // (pp * tdeg)
+            if dp > 1 and not ({"dp", "zero"} & space):
+                continue
+            mesh = MeshSpec.of(**({"pp": pp} if pp > 1 else {}), **({"dp": dp} if dp > 1 else {}), **tp)
+            batch_shard = tp.get("tp_r", 1) * tp.get("tp_x", 1) * tp.get("tp_z", 1)
+            for b in _micro_batches(global_batch, dp, batch_shard):
+                m = global_batch // (dp * b)
+                for pipe in _pipelines(graph, pp, space, m):
+                    for rc in recomputes:
+                        inflight = inflight_microbatches(0, pipe, m)
+                        mem = memory_lower_bound_bytes(graph, prec, tp_degree=tdeg, pp=pp, dp=dp, max_zero=max_zero,
+                                                       micro_batch=b, inflight=inflight, recompute=rc)
+                        if mem > cap_bytes:
+                            pruned += 1
+                            continue
+                        lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tdeg, pp=pp, micro_batch=b,
+                                                num_microbatches=m, fill=_fill(pipe), recompute=rc)
+                        found.append(Candidate(mesh, b, m, rc, pipe, lb, mem))
+    found.sort(key=lambda c: (c.time_lb_s, c.mesh.size, str(c.mesh), c.micro_batch, c.recompute,
+                              c.pipe.schedule, c.pipe.virtual_stages))
+    return found, pruned
+
+
+def _micro_batches(global_batch: int, dp: int, batch_shard: int) -> list[int]:
+    if global_batch % dp:
+        return []
+    local = global_batch // dp
+    return [b for b in _divisors(local) if b % batch_shard == 0 and ((b & (b - 1)) == 0 or b == local)][:8]
+
+
+def _has_scores(graph: OpGraph) -> bool:
+    from autoshard.planner.opcost import score_shaped
+
+    return any(score_shaped(t, graph.seq_len) for op in graph.ops for t in op.saved)
+
+
+def allowed(st: OpStrategy, has_params: bool, space: frozenset[str], dp: int) -> bool:
+    """Is `st` inside the searched families?"""
+    fam = _FAMILY_OF.get(st.name)
+    if fam is not None and fam not in space:
+        return False
+    if has_params and dp > 1:
+        if st.zero == 0 and "dp" not in space:
+            return False
+        if st.zero > 0 and "zero" not in space:
+            return False
+    return True
+
+
+def _strategies(graph: OpGraph, cand: Candidate, space, cache) -> dict[str, list[OpStrategy]] | None:
+    tg = build_template(graph, {op.name: 0 for op in graph.ops}, 1)
+    out = {}
+    dp = cand.mesh.degree("dp")
+    for op in tg.ops:
+        key = (op.name, cand.mesh, cand.micro_batch)
+        if key not in cache:
+            cache[key] = [s for s in strategies_for(op, cand.mesh, cand.micro_batch)
+                          if allowed(s, bool(op.params), space, dp)]
+        if not cache[key]:
+            return None
+        out[op.name] = cache[key]
+    return out
+
+
+def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] = frozenset(SPACE),
+           cap_bytes: float | None = None, time_limit_s: float = 20.0, budget_s: float = 120.0,
+           progress: Callable[[str], None] | None = None) -> SearchResult:
+    """Best plan over the space; raises InfeasiblePlanError with the smallest memory any plan needs."""
+    cap = cap_bytes if cap_bytes is not None else cluster.device_memory_bytes
+    cands, pruned = enumerate_candidates(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap)
+    t0 = time.perf_counter()
+    best: SearchResult | None = None
+    solved, cache = 0, {}
+    for i, cand in enumerate(cands):
+        if best is not None and cand.time_lb_s >= best.evaluation.prediction.iteration_time_s:
+            break
+        if time.perf_counter() - t0 > budget_s and best is not None:
+            log.warning("search stopped after %.0f s with %d candidates left; the plan is the best found so far",
+                        budget_s, len(cands) - i)
+            break
+        result = _solve_candidate(graph, cluster, cand, global_batch, space, cap, time_limit_s, cache)
+        solved += 1
+        if progress and solved % 10 == 0:
+            progress(f"searched {solved} configurations ({i + 1}/{len(cands)} by bound)")
+        if result is not None and (best is None or result.evaluation.prediction.iteration_time_s <
+                                   best.evaluation.prediction.iteration_time_s):
+            best = result
+    if best is None:
+        raise _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned)
+    best.considered, best.solved, best.pruned_memory = len(cands), solved, pruned
+    best.solve_time_s = time.perf_counter() - t0
+    return best
+
+
+def _context(graph, cluster, cand: Candidate) -> PlanContext:
+    return PlanContext(mesh=cand.mesh, cluster=cluster, micro_batch=cand.micro_batch,
+                       num_microbatches=cand.num_microbatches, precision=default_precision(cluster),
+                       recompute=cand.recompute, seq=graph.seq_len)
+
+
+def _solve_candidate(graph, cluster, cand, global_batch, space, cap, time_limit_s, cache) -> SearchResult | None:
+    strategies = _strategies(graph, cand, space, cache)
+    if strategies is None:
+        return None
+    ctx = _context(graph, cluster, cand)
+    problem = build_problem(graph, ctx, cand.pipe, strategies, cap_bytes=cap)
+    sol = solve(problem, time_limit_s=time_limit_s)
+    if sol.status == "infeasible":
+        return None
+    assign = extract_assignment(problem, sol)
+    ev = evaluate(graph, assign, ctx, cand.pipe, global_batch=global_batch)
+    if ev.prediction.memory.total_bytes > cap * 1.0001:
+        return None  # the ILP's linear memory model and the evaluator disagree: trust the evaluator
+    return SearchResult(assignment=assign, candidate=cand, evaluation=ev, solve_time_s=sol.solve_time_s)
+
+
+def _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned) -> InfeasiblePlanError:
+    """The smallest memory any plan needs, over the configurations with the lowest memory bounds."""
+    everything, _ = enumerate_candidates(graph, cluster, global_batch=global_batch, space=space, cap_bytes=math.inf)
+    everything.sort(key=lambda c: c.memory_lb_bytes)
+    best = math.inf
+    for cand in everything[:8]:
+        strategies = _strategies(graph, cand, space, cache)
+        if strategies is None:
+            continue
+        problem = build_problem(graph, _context(graph, cluster, cand), cand.pipe, strategies, cap_bytes=math.inf,
+                                minimize_memory=True)
+        sol = solve(problem, time_limit_s=10.0)
+        if sol.status != "infeasible":
+            best = min(best, sol.objective)
+    need = f"{best / 2**30:.1f} GiB" if math.isfinite(best) else "more than any configuration allows"
+    return InfeasiblePlanError(
+        f"no plan fits {cap / 2**30:.1f} GiB per GPU on {cluster}: the smallest plan needs {need}; raise "
+        "--memory-cap, add GPUs, lower --global-batch or widen --space", min_memory_gib=best / 2**30)
