@@ -32,8 +32,13 @@ class GPUProfile:
     intra_node: str  # default intra-node link profile name
     inter_node: str  # default network profile name
     sources: dict[str, str] = field(default_factory=dict)
+    # Built-in inter-node networks this GPU's hosts can drive; empty means any. The rule used by the built-in
+    # profiles: one NIC port needs its line rate from one x16 PCIe slot (gen3 ~12, gen4 ~24, gen5 ~48 GB/s,
+    # NCCL src/graph/topo.cc), so 200 Gb/s HDR needs gen4 hosts (A100), 400 Gb/s NDR gen5 hosts (H100/H200).
+    allowed_networks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_networks", tuple(self.allowed_networks))  # YAML gives a list
         for name in ("peak_tflops", "fp32_tflops", "hbm_gbps", "memory_gib", "kernel_launch_us"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPU profile {self.name}: {name} must be positive")
