@@ -65,21 +65,23 @@ def bus_factor(collective: str, n: int) -> float:
     return 1.0
 
 
-def _steps(collective: str, n: int) -> int:
-    """Latency-bound steps of a ring (a tree for all-reduce on many ranks: NCCL switches to it at scale)."""
+def _steps(collective: str, n: int, *, tree: bool = False) -> int:
+    """Latency-bound steps of a ring; across nodes NCCL's all-reduce switches to a tree (log steps)."""
     if n <= 1:
         return 0
     if collective == "all_reduce":
-        return min(2 * (n - 1), 2 * math.ceil(math.log2(n)) + 2)
+        return min(2 * (n - 1), 2 * math.ceil(math.log2(n)) + 2) if tree else 2 * (n - 1)
     if collective in ("p2p", "broadcast"):
         return 1 if collective == "p2p" else math.ceil(math.log2(n))
     return n - 1
 
 
-def _flat_time_s(collective: str, nbytes: float, n: int, busbw_gbps: float, latency_us: float) -> float:
+def _flat_time_s(collective: str, nbytes: float, n: int, busbw_gbps: float, latency_us: float,
+                 *, tree: bool = False) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return _steps(collective, n) * latency_us * 1e-6 + nbytes * bus_factor(collective, n) / (busbw_gbps * 1e9)
+    steps = _steps(collective, n, tree=tree)
+    return steps * latency_us * 1e-6 + nbytes * bus_factor(collective, n) / (busbw_gbps * 1e9)
 
 
 def collective_time_s(collective: str, nbytes: float, group: GroupPlacement, cluster) -> float:
@@ -94,7 +96,7 @@ def collective_time_s(collective: str, nbytes: float, group: GroupPlacement, clu
     per_gpu_net = inter.busbw_gbps[collective] / cluster.gpus_per_node
     if collective == "all_reduce":
         local = 2 * _flat_time_s("reduce_scatter", nbytes, k, intra.busbw_gbps["reduce_scatter"], intra.latency_us)
-        return local + _flat_time_s("all_reduce", nbytes / k, nodes, per_gpu_net, inter.latency_us)
+        return local + _flat_time_s("all_reduce", nbytes / k, nodes, per_gpu_net, inter.latency_us, tree=True)
     if collective in ("all_gather", "reduce_scatter"):
         local = _flat_time_s(collective, nbytes, k, intra.busbw_gbps[collective], intra.latency_us)
         return local + _flat_time_s(collective, nbytes / k, nodes, per_gpu_net, inter.latency_us)

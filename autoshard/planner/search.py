@@ -85,7 +85,10 @@ def _heads(graph: OpGraph) -> int:
 def _tp_meshes(gpn: int, heads: int, space: frozenset[str]) -> list[dict[str, int]]:
     """Tensor-parallel axes: 1D degrees inside a node, 2D q x q and 3D q x q x q grids."""
     out: list[dict[str, int]] = [{}]
-    ok = (lambda q: heads == 0 or heads % q == 0)
+
+    def ok(q: int) -> bool:
+        return heads == 0 or heads % q == 0
+
     if "tp1d" in space:
         out += [{"tp": t} for t in _divisors(gpn) if t > 1 and ok(t)]
     if "tp2d" in space:
