@@ -23,12 +23,13 @@ from autoshard.capture.ir import OpGraph, TensorMeta
 from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.cost_models.compute import memory_bound_time_s
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes, tensor_bytes
+from autoshard.planner.cache import graph_cache
 from autoshard.planner.context import PlanContext
 from autoshard.planner.layouts import BATCH, Layout
 from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.planner.strategies import PLANNED_KINDS, same_strategy
-from autoshard.planner.template import build_template, planned_edges, stage_of
+from autoshard.planner.template import planned_edges, stage_of, template_for
 
 __all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches"]
 
@@ -125,10 +126,30 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             stages[k].tp += n * t
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
+    units = _units(graph, pipe, stage)
     for k, st in enumerate(stages):
-        st.units = max(1, len({op.layer for op in graph.ops if op.layer is not None and stage[op.name] == k}))
+        st.units = units[k]
     _boundaries(graph, assign, ctx, pipe, stage, stages)
     return stages
+
+
+def _units(graph: OpGraph, pipe: PipelineSpec, stage: dict[str, int]) -> list[int]:
+    """Blocks per stage: the granularity at which communication can be overlapped."""
+    cache = graph_cache(graph)
+    key = ("units", pipe.degree, pipe.virtual_stages, pipe.stage_layers)
+    if key not in cache:
+        cache[key] = [max(1, len({op.layer for op in graph.ops if op.layer is not None and stage[op.name] == k}))
+                      for k in range(pipe.degree)]
+    return cache[key]
+
+
+def _boundary_edges(graph: OpGraph, pipe: PipelineSpec):
+    cache = graph_cache(graph)
+    key = ("cuts", pipe.degree, pipe.virtual_stages, pipe.stage_layers)
+    if key not in cache:
+        chunk = stage_of(graph, pipe)
+        cache[key] = [(src, meta) for src, dst, _, meta in planned_edges(graph) if chunk[src] != chunk[dst]]
+    return cache[key]
 
 
 def _shards(st: OpStrategy, ctx: PlanContext) -> int:
@@ -142,14 +163,13 @@ def _boundaries(graph, assign, ctx, pipe, stage, stages) -> None:
     """Bytes sent between consecutive chunks per micro-batch (the activation crossing the cut)."""
     if pipe.degree == 1:
         return
-    chunk = stage_of(graph, pipe)
-    for src, dst, _, meta in planned_edges(graph):
-        if chunk[src] != chunk[dst]:
-            lay = assign[src].output
-            shards = math.prod(ctx.mesh.degree(a) for a, p in lay.items if p.startswith("S(") and a != "dp")
-            nb = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / max(1, shards)
-            st = stages[stage[src]]
-            st.boundary_bytes = max(st.boundary_bytes, nb)
+    to_t = template_for(graph, pipe)[0].to_template
+    for src, meta in _boundary_edges(graph, pipe):
+        lay = (assign.get(src) or assign[to_t[src]]).output
+        shards = math.prod(ctx.mesh.degree(a) for a, p in lay.items if p.startswith("S(") and a != "dp")
+        nb = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / max(1, shards)
+        st = stages[stage[src]]
+        st.boundary_bytes = max(st.boundary_bytes, nb)
 
 
 def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int):
@@ -193,16 +213,19 @@ def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) 
 
 
 def evaluate(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pipe: PipelineSpec,
-             *, global_batch: int) -> Evaluation:
-    """Predict iteration time, throughput and per-GPU memory of `assign` on `ctx` with pipeline `pipe`."""
-    missing = [op.name for op in graph.ops if op.kind in PLANNED_KINDS and op.name not in assign]
+             *, global_batch: int, check_tied: bool = True) -> Evaluation:
+    """Predict iteration time, throughput and per-GPU memory of `assign` on `ctx` with pipeline `pipe`.
+
+    `assign` may cover every op, or only the template ops (block 0 of each repeated group and the ops
+    outside blocks) with `check_tied=False`: the search prices thousands of candidates that way."""
+    tg, stage = template_for(graph, pipe)
+    missing = [op.name for op in tg.ops if op.name not in assign]
     if missing:
         raise ValueError(f"assignment lacks strategies for {len(missing)} ops, e.g. {missing[:3]}")
-    stage = {n: c % pipe.degree for n, c in stage_of(graph, pipe).items()}
-    tg = build_template(graph, stage, pipe.degree)
-    untied = [n for n, t in tg.to_template.items() if n in assign and not same_strategy(assign[n], assign[t])]
-    if untied:
-        raise ValueError(f"blocks must share strategies: {untied[0]} differs from {tg.to_template[untied[0]]}")
+    if check_tied:
+        untied = [n for n, t in tg.to_template.items() if n in assign and not same_strategy(assign[n], assign[t])]
+        if untied:
+            raise ValueError(f"blocks must share strategies: {untied[0]} differs from {tg.to_template[untied[0]]}")
     op_costs, edges, outs = _template_costs(graph, assign, ctx, tg)
     stages = _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage)
     m = ctx.num_microbatches

@@ -13,9 +13,11 @@ import functools
 
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.errors import ConfigurationError
+from autoshard.planner.cache import graph_cache
 from autoshard.planner.layouts import FEAT, REPLICATE, SEQ, Layout, MeshSpec
-from autoshard.planner.plan import OpStrategy
-from autoshard.planner.strategies import PLANNED_KINDS, fits, strategies_for, with_dp
+from autoshard.planner.plan import OpStrategy, PipelineSpec
+from autoshard.planner.strategies import fits, rebind, strategies_for, with_dp
+from autoshard.planner.template import template_for
 
 __all__ = ["megatron_assignment", "tp_origins", "even_stage_layers"]
 
@@ -56,12 +58,11 @@ def _pick(cands: list[OpStrategy], *, name: str | None = None, output: Layout | 
 def megatron_assignment(graph: OpGraph, mesh: MeshSpec, micro_batch: int, *, sequence_parallel: bool = False,
                         zero: int = 0) -> dict[str, OpStrategy]:
     """Megatron-LM's layout of every planned op on `mesh` (axes among pp, dp, tp)."""
-    origin = tp_origins(graph)
+    origin = _origins(graph)
     tp = mesh.degree("tp")
-    assign: dict[str, OpStrategy] = {}
-    for op in graph.ops:
-        if op.kind not in PLANNED_KINDS:
-            continue
+    tg, _ = template_for(graph, PipelineSpec())
+    chosen: dict[str, OpStrategy] = {}
+    for op in tg.ops:
         cands = strategies_for(op, mesh, micro_batch, zero_options=(zero,))
         cands = [c for c in cands if c.split == 1]
         st = _choose(graph, op, cands, origin, mesh, micro_batch, sequence_parallel and tp > 1)
@@ -70,8 +71,16 @@ def megatron_assignment(graph: OpGraph, mesh: MeshSpec, micro_batch: int, *, seq
                 f"no Megatron-style strategy fits {op.name} ({op.kind.value}, output {op.output_meta.shape}) "
                 f"with tp={tp} and micro-batch {micro_batch}; check that tp divides the heads, hidden and "
                 "vocabulary sizes")
-        assign[op.name] = st
-    return assign
+        chosen[op.name] = st
+    return {real: (chosen[t] if real == t else rebind(chosen[t], graph.op(real)))
+            for real, t in tg.to_template.items() if t in chosen}
+
+
+def _origins(graph: OpGraph) -> dict[str, str]:
+    cache = graph_cache(graph)
+    if "origins" not in cache:
+        cache["origins"] = tp_origins(graph)
+    return cache["origins"]
 
 
 def _choose(graph, op, cands, origin, mesh, micro_batch, sp):

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoshard.capture.ir import Op, OpGraph, TensorMeta
+from autoshard.planner.cache import graph_cache
 from autoshard.planner.plan import PipelineSpec
 from autoshard.planner.strategies import PLANNED_KINDS
 
-__all__ = ["TemplateEdge", "TemplateGraph", "build_template", "planned_edges", "stage_of"]
+__all__ = ["TemplateEdge", "TemplateGraph", "build_template", "template_for", "planned_edges", "stage_of"]
 
 
 def planned_edges(graph: OpGraph):
@@ -66,6 +67,16 @@ class TemplateGraph:
     outputs: list[str]  # template ops whose outputs leave the model
     to_template: dict[str, str]  # real op -> template op
     firsts: set[str] = field(default_factory=set)  # template ops that open a block
+
+
+def template_for(graph: OpGraph, pipe: PipelineSpec) -> tuple[TemplateGraph, dict[str, int]]:
+    """(template graph, stage of every op) for `pipe`, memoized per graph."""
+    cache = graph_cache(graph)
+    key = ("template", pipe.degree, pipe.virtual_stages, pipe.stage_layers)
+    if key not in cache:
+        stage = {n: c % pipe.degree for n, c in stage_of(graph, pipe).items()}
+        cache[key] = (build_template(graph, stage, pipe.degree), stage)
+    return cache[key]
 
 
 def build_template(graph: OpGraph, stage_of_op: dict[str, int], num_stages: int) -> TemplateGraph:
