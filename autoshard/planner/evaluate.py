@@ -28,7 +28,7 @@ from autoshard.planner.context import PlanContext
 from autoshard.planner.layouts import BATCH, Layout
 from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.plan import OpStrategy, PipelineSpec, Prediction
-from autoshard.planner.strategies import PLANNED_KINDS, same_strategy
+from autoshard.planner.strategies import same_strategy
 from autoshard.planner.template import planned_edges, stage_of, template_for
 
 __all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches"]
