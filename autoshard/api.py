@@ -7,7 +7,7 @@ from autoshard.errors import ConfigurationError
 from autoshard.models import load_model
 from autoshard.planner.estimate import HandConfig, estimate
 
-__all__ = ["estimate_config", "resolve_cluster"]
+__all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph"]
 
 
 def resolve_cluster(cluster):
@@ -40,3 +40,65 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     return plan, cluster
 
 
+
+
+def load_graph(model, *, example_inputs=None, seq: int | None = None):
+    """An OpGraph from a zoo name / spec / factory string, or an nn.Module with its example inputs."""
+    from torch import nn
+
+    from autoshard.capture import capture
+
+    if isinstance(model, nn.Module):
+        if example_inputs is None:
+            raise ConfigurationError("planning an nn.Module needs example_inputs=(...) (one batch of its inputs)")
+        inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        return capture(model, inputs, name=type(model).__name__)
+    return capture_model(load_model(model, seq=seq))
+
+
+def _cap_bytes(cluster, memory_cap_gib: float | None) -> float:
+    if memory_cap_gib is None:
+        return cluster.device_memory_bytes
+    if memory_cap_gib <= 0:
+        raise ConfigurationError(f"--memory-cap must be a positive number of GiB, got {memory_cap_gib}")
+    return memory_cap_gib * 2**30
+
+
+def _default_global_batch(cluster, global_batch: int | None) -> int:
+    if global_batch is None:
+        return 4 * cluster.num_gpus
+    if global_batch < 1:
+        raise ConfigurationError(f"--global-batch must be a positive integer, got {global_batch}")
+    return global_batch
+
+
+def plan(model, cluster, *, example_inputs=None, global_batch: int | None = None, seq: int | None = None,
+         memory_cap: float | None = None, space: str | None = None, time_limit_s: float = 20.0, progress=None):
+    """Dry run: the fastest plan for `model` on `cluster` (no GPU needed). `memory_cap` in GiB per GPU."""
+    from autoshard.planner.planning import make_plan
+    from autoshard.planner.search import parse_space
+
+    cluster = resolve_cluster(cluster)
+    graph = load_graph(model, example_inputs=example_inputs, seq=seq)
+    result, _ = make_plan(graph, cluster, global_batch=_default_global_batch(cluster, global_batch),
+                          space=parse_space(space), cap_bytes=_cap_bytes(cluster, memory_cap),
+                          time_limit_s=time_limit_s, progress=progress)
+    return result
+
+
+def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq: int | None = None,
+                        memory_cap: float | None = None, space: str | None = None, time_limit_s: float = 20.0,
+                        progress=None):
+    """(Plan, SearchResult, baselines, graph, cluster) for the CLI."""
+    from autoshard.planner.baselines import compute_baselines
+    from autoshard.planner.planning import make_plan
+    from autoshard.planner.search import parse_space
+
+    cluster = resolve_cluster(cluster)
+    graph = load_graph(model, seq=seq)
+    gb = _default_global_batch(cluster, global_batch)
+    cap = _cap_bytes(cluster, memory_cap)
+    the_plan, result = make_plan(graph, cluster, global_batch=gb, space=parse_space(space), cap_bytes=cap,
+                                 time_limit_s=time_limit_s, progress=progress)
+    baselines = compute_baselines(graph, cluster, global_batch=gb, cap_bytes=cap)
+    return the_plan, result, baselines, graph, cluster

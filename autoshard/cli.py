@@ -107,6 +107,103 @@ def _cmd_estimate(args) -> int:
     return 0
 
 
+# -- plan / explain / hardware ------------------------------------------------------------------------------
+def _pred_row(pred) -> dict | None:
+    if pred is None:
+        return None
+    return {"iteration_time_s": pred.iteration_time_s, "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu,
+            "memory_gib_per_gpu": pred.memory.total_bytes / 2**30}
+
+
+def _cmd_plan(args) -> int:
+    from autoshard.api import plan_with_baselines
+    from autoshard.planner.explain import block_table, explain_rows
+
+    progress = (lambda msg: print(f"autoshard: {msg}", file=sys.stderr)) if not args.json else None
+    plan, result, baselines, graph, cluster = plan_with_baselines(
+        args.model, args.cluster, global_batch=args.global_batch, seq=args.seq, memory_cap=args.memory_cap,
+        space=args.space, time_limit_s=args.time_limit, progress=progress)
+    if args.output:
+        plan.save(args.output)
+    pred = plan.prediction
+    data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
+            "mesh": plan.mesh.to_json(), "micro_batch": plan.micro_batch, "num_microbatches": plan.num_microbatches,
+            "recompute": plan.recompute, "pipeline": {"degree": plan.pipeline.degree,
+                                                      "schedule": plan.pipeline.schedule,
+                                                      "virtual_stages": plan.pipeline.virtual_stages},
+            "predicted": {**_pred_row(pred), **prediction_json(pred)}, "ops": explain_rows(plan),
+            "baselines": {k: _pred_row(b.prediction) for k, b in baselines.items()},
+            "baseline_configs": {k: b.config or b.note for k, b in baselines.items()},
+            "solve_time_s": result.solve_time_s,
+            "search": {"considered": result.considered, "solved": result.solved,
+                       "pruned_by_memory": result.pruned_memory}}
+    if args.output:
+        data["plan_file"] = args.output
+    if args.plot:
+        from autoshard.plotting import plot_plan
+
+        plot_plan(plan, baselines, cluster, args.plot)
+        data["plot"] = args.plot
+    _emit(args, data, "\n".join(_plan_text(plan, result, baselines, cluster, block_table(plan), args)))
+    return 0
+
+
+def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
+    pred = plan.prediction
+    pipe = plan.pipeline
+    lines = [f"{plan.model} on {cluster} ({cluster.num_gpus} GPUs), global batch {plan.global_batch}, "
+             f"seq {plan.seq}",
+             f"mesh             {plan.mesh}" + (f", {pipe.schedule} x{pipe.virtual_stages} over {pipe.degree} stages"
+                                               if pipe.degree > 1 else ""),
+             f"micro-batching   {plan.micro_batch} x {plan.num_microbatches} per replica, recompute {plan.recompute}"
+             + (", layered gradient accumulation" if pipe.layered else ""),
+             *_prediction_text(pred, cluster), "", "per-block strategies:", *("  " + t for t in table), "",
+             f"{'':14s}{'tokens/s':>14s}{'MFU':>8s}{'GiB/GPU':>9s}  configuration",
+             f"{'plan':14s}{pred.tokens_per_s:14,.0f}{pred.mfu * 100:7.1f}%{pred.memory.total_bytes / 2**30:9.1f}"]
+    for name, b in baselines.items():
+        if b.prediction is None:
+            lines.append(f"{name:14s}{'does not fit':>14s}{'':17s}  {b.note}")
+        else:
+            p = b.prediction
+            lines.append(f"{name:14s}{p.tokens_per_s:14,.0f}{p.mfu * 100:7.1f}%{p.memory.total_bytes / 2**30:9.1f}"
+                         f"  {b.config}")
+    lines.append(f"\nsearch           {result.solve_time_s:.1f} s: {result.solved} ILPs solved of {result.considered} "
+                 f"candidates ({result.pruned_memory} pruned by the memory bound)")
+    if args.output:
+        lines.append(f"plan written to  {args.output}")
+    return lines
+
+
+def _cmd_explain(args) -> int:
+    from autoshard.planner.explain import explain_rows, explain_text
+    from autoshard.planner.plan import Plan
+
+    plan = Plan.load(args.plan)
+    data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(), "ops": explain_rows(plan)}
+    if args.plot:
+        from autoshard.plotting import plot_plan
+
+        plot_plan(plan, {}, None, args.plot)
+        data["plot"] = args.plot
+    _emit(args, data, explain_text(plan))
+    return 0
+
+
+def _cmd_hardware(args) -> int:
+    from autoshard.hardware_profiles import hardware_table
+
+    table = hardware_table()
+    lines = [f"{'GPU':16s}{'bf16 TF':>9s}{'HBM GB/s':>10s}{'GiB':>8s}  default node"]
+    for g in table["gpus"]:
+        lines.append(f"{g['name']:16s}{g['peak_tflops']:9.1f}{g['hbm_gbps']:10.0f}{g['memory_gib']:8.1f}  "
+                     f"{g.get('gpus_per_node', '')} per node, {g.get('intra_node', '')} + {g.get('inter_node', '')}")
+    lines.append(f"\n{'link':18s}{'scope':>7s}{'all-reduce GB/s':>17s}{'latency us':>12s}")
+    for lk in table["links"]:
+        lines.append(f"{lk['name']:18s}{lk['scope']:>7s}{lk['all_reduce_busbw_gbps']:17.1f}{lk['latency_us']:12.1f}")
+    _emit(args, table, "\n".join(lines))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autoshard", description="Auto-parallelization planner for PyTorch training.")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -139,6 +236,29 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_estimate)
+
+    pl = sub.add_parser("plan", help="dry run: the fastest plan for MODEL on a cluster, with baselines")
+    pl.add_argument("model")
+    pl.add_argument("--cluster", required=True, help="NODESxGPUSxGPU[@NETWORK] or a cluster YAML file")
+    pl.add_argument("--global-batch", type=int, default=None, help="samples per iteration (default 4 per GPU)")
+    pl.add_argument("--seq", type=int, default=None)
+    pl.add_argument("--memory-cap", type=float, default=None, help="GiB per GPU (default: the GPU's memory)")
+    pl.add_argument("--space", default=None, help="families searched: dp,zero,tp1d,tp2d,tp3d,pp (default all)")
+    pl.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")
+    pl.add_argument("-o", "--output", default=None, help="write the plan as versioned JSON")
+    pl.add_argument("--plot", default=None, help="write a picture of the plan (PNG)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_cmd_plan)
+
+    x = sub.add_parser("explain", help="why each operator got its strategy, and the runner-up")
+    x.add_argument("plan", help="a plan file written by `autoshard plan -o`")
+    x.add_argument("--plot", default=None, help="write a picture of the plan (PNG)")
+    x.add_argument("--json", action="store_true")
+    x.set_defaults(func=_cmd_explain)
+
+    h = sub.add_parser("hardware", help="list the GPU and interconnect profiles")
+    h.add_argument("--json", action="store_true")
+    h.set_defaults(func=_cmd_hardware)
     return p
 
 

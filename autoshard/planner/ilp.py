@@ -286,18 +286,17 @@ def solve(problem: Problem, *, time_limit_s: float = 20.0) -> Solution:
     import time
 
     t0 = time.perf_counter()
-    status = problem.lp.solve(_solver(time_limit_s))
+    problem.lp.solve(_solver(time_limit_s))
     elapsed = time.perf_counter() - t0
-    name = pulp.LpStatus.get(status, "Undefined")
-    if name in ("Infeasible", "Undefined") and not _has_values(problem):
-        return Solution(status="infeasible", objective=float("inf"), choice={}, solve_time_s=elapsed)
-    if name != "Optimal" and not _has_values(problem):
+    # sol_status: 1 optimal, 2 feasible (stopped at the time limit), anything else no usable solution
+    sol = problem.lp.sol_status
+    if sol not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) or not _has_values(problem):
         return Solution(status="infeasible", objective=float("inf"), choice={}, solve_time_s=elapsed)
     choice = {}
     for op in problem.template.ops:
         vals = [(problem.x[StratVar(op.name, i)].value() or 0.0) for i in range(len(problem.strategies[op.name]))]
         choice[op.name] = max(range(len(vals)), key=vals.__getitem__)
-    state = "optimal" if name == "Optimal" else "time_limit"
+    state = "optimal" if sol == pulp.LpSolutionOptimal else "time_limit"
     if state == "time_limit":
         log.warning("ILP hit its %.0f s time limit; using the best plan found so far", time_limit_s)
     return Solution(status=state, objective=float(pulp.value(problem.lp.objective) or 0.0), choice=choice,

@@ -1,0 +1,209 @@
+"""Baselines a user would otherwise pick, priced by the same cost model as the plan.
+
+- `dp`: data parallel everywhere (parameters replicated).
+- `zero3`: FSDP FULL_SHARD everywhere.
+- `tp1d`: Megatron-LM tensor parallelism (with sequence parallelism) inside a node, the best degree.
+- `tp2d`: 2D (Optimus) tensor parallelism on q x q, every Linear 2D.
+- `tp3d`: 3D tensor parallelism on q x q x q, every Linear 3D.
+- `grid`: the best Megatron DP x TP x PP grid: TP inside a node, PP across nodes (1F1B or interleaved), DP
+  outermost with or without the distributed optimizer, any micro-batch and recompute mode.
+Each is the best of its own configurations that fit in memory, or None when none does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autoshard.capture.ir import OpGraph
+from autoshard.errors import ConfigurationError
+from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
+from autoshard.planner.context import PlanContext, default_precision
+from autoshard.planner.evaluate import evaluate, inflight_microbatches
+from autoshard.planner.ilp import build_problem, extract_assignment, solve
+from autoshard.planner.layouts import MeshSpec
+from autoshard.planner.manual import megatron_assignment
+from autoshard.planner.plan import PipelineSpec, Prediction
+from autoshard.planner.stages import balanced_stage_layers
+from autoshard.planner.strategies import strategies_for
+from autoshard.planner.template import template_for
+
+__all__ = ["Baseline", "BASELINES", "compute_baselines"]
+
+BASELINES = ("dp", "zero3", "tp1d", "tp2d", "tp3d", "grid")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str
+    prediction: Prediction | None
+    config: str  # what was chosen, e.g. "tp=8 pp=12 dp=16, 1f1b, micro-batch 1, full recompute"
+    note: str = ""  # why there is no prediction
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _micro_batches(local: int, shard: int = 1) -> list[int]:
+    return [b for b in (1, 2, 4, 8, 16) if local % b == 0 and b % shard == 0]
+
+
+class _Best:
+    def __init__(self) -> None:
+        self.pred: Prediction | None = None
+        self.config = ""
+
+    def offer(self, pred: Prediction, config: str, cap: float) -> None:
+        if pred.memory.total_bytes <= cap and (self.pred is None or pred.iteration_time_s < self.pred.iteration_time_s):
+            self.pred, self.config = pred, config
+
+    def bound(self) -> float:
+        return self.pred.iteration_time_s if self.pred else math.inf
+
+
+def _ctx(graph, cluster, mesh, b, m, rc) -> PlanContext:
+    return PlanContext(mesh=mesh, cluster=cluster, micro_batch=b, num_microbatches=m,
+                       precision=default_precision(cluster), recompute=rc, seq=graph.seq_len)
+
+
+def _recomputes(graph: OpGraph) -> tuple[str, ...]:
+    from autoshard.planner.opcost import score_shaped
+
+    scores = any(score_shaped(t, graph.seq_len) for op in graph.ops for t in op.saved)
+    return ("none", "selective", "full") if scores else ("none", "full")
+
+
+def _uniform(graph, cluster, global_batch, cap, zero: int) -> _Best:
+    """dp (zero 0) or zero3: every op the same data-parallel strategy on an all-dp mesh."""
+    best = _Best()
+    n = cluster.num_gpus
+    if global_batch % n:
+        return best
+    mesh = MeshSpec.of(dp=n) if n > 1 else MeshSpec(axes=())
+    tg, _ = template_for(graph, PipelineSpec())
+    for b in _micro_batches(global_batch // n):
+        assign = {}
+        for op in tg.ops:
+            cands = [s for s in strategies_for(op, mesh, b, zero_options=(zero,)) if s.split == 1]
+            assign[op.name] = next(s for s in cands if not any(a != "dp" for a, _ in s.output.items))
+        for rc in _recomputes(graph):
+            ctx = _ctx(graph, cluster, mesh, b, global_batch // (n * b), rc)
+            ev = evaluate(graph, assign, ctx, PipelineSpec(), global_batch=global_batch, check_tied=False)
+            best.offer(ev.prediction, f"dp={n}, micro-batch {b}, recompute {rc}", cap)
+    return best
+
+
+def _megatron(graph, cluster, global_batch, cap, *, pipelines: bool) -> _Best:
+    """Megatron TP (+SP) inside a node x PP x DP; tp1d when `pipelines` is False."""
+    best = _Best()
+    n, gpn = cluster.num_gpus, cluster.gpus_per_node
+    prec = default_precision(cluster)
+    pre, block, post = block_costs(graph)
+    configs = []
+    for tp in _divisors(gpn):
+        for pp in (_divisors(n // tp) if pipelines and graph.blocks else [1]):
+            if (not pipelines and tp == 1) or pp > max(graph.num_layers, 1) or n % (tp * pp):
+                continue
+            dp = n // (tp * pp)
+            if global_batch % dp:
+                continue
+            for b in _micro_batches(global_batch // dp):
+                m = global_batch // (dp * b)
+                for v in ((1, 2, 4) if pp > 1 else (1,)):
+                    if pp > 1 and graph.num_layers < pp * v:
+                        continue
+                    for rc in _recomputes(graph):
+                        configs.append((tp, pp, dp, b, m, v, rc))
+    scored = []
+    for tp, pp, dp, b, m, v, rc in configs:
+        fill = 0.0 if pp == 1 else (pp - 1) / v
+        lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tp, pp=pp, micro_batch=b, num_microbatches=m,
+                                fill=fill, recompute=rc)
+        pipe0 = PipelineSpec(degree=pp, schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
+        mem = memory_lower_bound_bytes(graph, prec, tp_degree=tp, pp=pp, dp=dp, max_zero=1, micro_batch=b,
+                                       inflight=inflight_microbatches(0, pipe0, m), recompute=rc)
+        if mem <= cap:
+            scored.append((lb, tp, pp, dp, b, m, v, rc))
+    for lb, tp, pp, dp, b, m, v, rc in sorted(scored):
+        if lb >= best.bound():
+            break
+        layers = balanced_stage_layers(graph.num_layers, pp, v, pre, block, post) if pp > 1 else ()
+        pipe = PipelineSpec(degree=pp, schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v,
+                            stage_layers=layers)
+        mesh = MeshSpec.of(**{a: d for a, d in (("pp", pp), ("dp", dp), ("tp", tp)) if d > 1})
+        for zero in ((0, 1) if dp > 1 else (0,)):
+            try:
+                assign = megatron_assignment(graph, mesh, b, sequence_parallel=tp > 1, zero=zero)
+            except ConfigurationError:
+                break
+            ev = evaluate(graph, assign, _ctx(graph, cluster, mesh, b, m, rc), pipe, global_batch=global_batch,
+                          check_tied=False)
+            sched = "" if pp == 1 else (f", interleaved x{v}" if v > 1 else ", 1f1b")
+            best.offer(ev.prediction, f"tp={tp} pp={pp} dp={dp}{sched}, micro-batch {b}, recompute {rc}"
+                                      f"{', distributed optimizer' if zero else ''}", cap)
+    return best
+
+
+def _tensor_family(graph, cluster, global_batch, cap, family: str) -> _Best:
+    """Every Linear 2D (or 3D) on a q x q (x q) grid, the rest chosen by the ILP; data parallel around it."""
+    best = _Best()
+    n = cluster.num_gpus
+    names = {"tp2d": ("2d",), "tp3d": ("3d-yz", "3d-zy")}[family]
+    for q in (2, 4, 8):
+        axes = {"tp2d": {"tp_r": q, "tp_c": q}, "tp3d": {"tp_x": q, "tp_y": q, "tp_z": q}}[family]
+        tdeg = math.prod(axes.values())
+        if n % tdeg:
+            continue
+        dp = n // tdeg
+        if global_batch % dp:
+            continue
+        mesh = MeshSpec.of(**({"dp": dp} if dp > 1 else {}), **axes)
+        shard = q if family == "tp2d" else q * q
+        for b in _micro_batches(global_batch // dp, shard):
+            strategies = _family_strategies(graph, mesh, b, names)
+            if strategies is None:
+                continue
+            for rc in _recomputes(graph):
+                ctx = _ctx(graph, cluster, mesh, b, global_batch // (dp * b), rc)
+                problem = build_problem(graph, ctx, PipelineSpec(), strategies, cap_bytes=cap)
+                sol = solve(problem, time_limit_s=10.0)
+                if sol.status == "infeasible":
+                    continue
+                ev = evaluate(graph, extract_assignment(problem, sol), ctx, PipelineSpec(), global_batch=global_batch)
+                best.offer(ev.prediction, f"{mesh}, micro-batch {b}, recompute {rc}", cap)
+    return best
+
+
+def _family_strategies(graph, mesh, b, names):
+    tg, _ = template_for(graph, PipelineSpec())
+    out = {}
+    for op in tg.ops:
+        cands = [s for s in strategies_for(op, mesh, b, zero_options=(0,)) if s.split == 1]
+        if op.kind.value in ("linear", "conv"):
+            cands = [s for s in cands if s.name in names] or [s for s in cands if s.name == "replicate"]
+        elif op.kind.value == "embedding":
+            cands = [s for s in cands if s.name == "replicate"]
+        if not cands:
+            return None
+        out[op.name] = cands
+    return out
+
+
+def compute_baselines(graph: OpGraph, cluster, *, global_batch: int, cap_bytes: float,
+                      names: tuple[str, ...] = BASELINES) -> dict[str, Baseline]:
+    out = {}
+    for name in names:
+        if name == "dp":
+            best = _uniform(graph, cluster, global_batch, cap_bytes, zero=0)
+        elif name == "zero3":
+            best = _uniform(graph, cluster, global_batch, cap_bytes, zero=3)
+        elif name == "tp1d":
+            best = _megatron(graph, cluster, global_batch, cap_bytes, pipelines=False)
+        elif name == "grid":
+            best = _megatron(graph, cluster, global_batch, cap_bytes, pipelines=True)
+        else:
+            best = _tensor_family(graph, cluster, global_batch, cap_bytes, name)
+        note = "" if best.pred else "no configuration of this family fits in memory (or divides the batch)"
+        out[name] = Baseline(name=name, prediction=best.pred, config=best.config, note=note)
+    return out
