@@ -1,0 +1,57 @@
+"""Plan -> parallelized module, in one fixed order (STYLE.md rule 7).
+
+    1. the model object becomes a `ParallelModule` (same object, same parameter names);
+    2. tensor parallel: parameters become DTensors on the plan's mesh with their storage placement, and every
+       planned leaf-module call redistributes its inputs, weights and output (tensor_parallel.py);
+    3. statistics-parallel norms where a norm's input is sharded on the hidden dim (norms.py);
+    4. operator splitting of the Linears planned with split > 1 (split.py);
+    5. sharded data parallel per op: FSDP2 in SPMD mode on the dp mesh dim (data_parallel.py).
+
+Pipeline parallelism (pp > 1) is rejected by `build_device_mesh` until the pipeline runtime exists.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoshard.capture.ir import OpGraph
+from autoshard.planner.layouts import FEAT
+from autoshard.planner.plan import Plan
+from autoshard.runtime.data_parallel import apply_operator_splitting, apply_sharded_data_parallel
+from autoshard.runtime.dtensor_ext import register_dtensor_rules
+from autoshard.runtime.norms import statistics_parallel_forward
+from autoshard.runtime.parallel_module import ParallelModule, RuntimeState, make_parallel
+from autoshard.runtime.specs import ModuleSpec, module_specs
+from autoshard.runtime.tensor_parallel import ModuleRuntime, distribute_parameters, install_module_runtimes
+
+__all__ = ["apply_plan"]
+
+log = logging.getLogger(__name__)
+
+
+def apply_plan(model: nn.Module, plan: Plan, *, graph: OpGraph, mesh: DeviceMesh) -> ParallelModule:
+    """Parallelize `model` in place as `plan` says, on `mesh` (from `build_device_mesh(plan.mesh)`).
+
+    `graph` is the `OpGraph` the plan was made from (it names each op's producers). Call on every rank.
+    """
+    register_dtensor_rules()
+    specs = module_specs(plan, graph, model)
+    model = make_parallel(model, RuntimeState(plan=plan, mesh=mesh))  # 1
+    distribute_parameters(model, specs, mesh)  # 2: storage placements ...
+    runtimes = install_module_runtimes(model, specs, mesh)  # ... and redistribution around module calls
+    _statistics_parallel_norms(specs, runtimes)  # 3
+    apply_operator_splitting(model, specs, runtimes, mesh)  # 4
+    apply_sharded_data_parallel(model, specs, mesh)  # 5
+    log.info("applied plan %s on mesh %s: %d module ops", plan.model, plan.mesh, len(specs))
+    return model
+
+
+def _statistics_parallel_norms(specs: dict[str, ModuleSpec], runtimes: dict[str, ModuleRuntime]) -> None:
+    for path, spec in specs.items():
+        if spec.kind == "norm" and spec.inputs and any(p == FEAT for _, p in spec.inputs[0].items):
+            fn = statistics_parallel_forward(runtimes[path].module)
+            if fn is not None:
+                runtimes[path].compute = fn

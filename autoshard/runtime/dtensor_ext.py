@@ -1,0 +1,146 @@
+"""What DTensor needs to run unmodified models: CPU attention rules and function-level implicit replication.
+
+1. `aten._scaled_dot_product_flash_attention_for_cpu` (what `F.scaled_dot_product_attention` runs on CPU) has
+   no DTensor sharding rule in torch 2.13 (the CUDA flash / efficient / cuDNN kernels do). We register one
+   that shards the batch (dim 0) or the heads (dim 1) of q, k, v, the output and the log-sum-exp, mirroring
+   the CUDA flash-attention rule, only where torch has none.
+2. `SPMDMode`, active during the parallel model's forward:
+   - converts plain tensors that meet a DTensor in one call (causal masks, rotary tables, position ids built
+     by the model from shapes) to replicated DTensors *before* autograd records the call, so backward sees
+     DTensors only. (DTensor's `implicit_replication()` converts inside dispatch, so autograd saves the plain
+     tensor and backward fails outside the context.)
+   - aligns an attention mask with the query's sharding before `F.scaled_dot_product_attention`: DTensor
+     never redistributes keyword arguments (`attn_mask` is keyword-only in the ATen op), so the mask must
+     arrive sharded like q on every mesh dim where it is not a broadcast dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+__all__ = ["register_dtensor_rules", "SPMDMode", "reduce_partial_grad"]
+
+aten = torch.ops.aten
+_FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _mask_placement(mask, dim: int) -> Placement:
+    # a mask dim of 1 broadcasts over the shards; otherwise it is sharded like q (it arrives so: see SPMDMode)
+    return Shard(dim) if mask.shape[dim] > 1 else Replicate()
+
+
+def _flash_cpu_fwd_rule(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    mask = [] if attn_mask is None else [Replicate()]
+    rules = [([Replicate(), Replicate()], [Replicate()] * 3 + mask)]
+    for dim in (0, 1):  # batch, heads: outputs (out, logsumexp) and inputs (q, k, v, mask?)
+        mask = [] if attn_mask is None else [_mask_placement(attn_mask, dim)]
+        rules.append(([Shard(dim), Shard(dim)], [Shard(dim)] * 3 + mask))
+    return rules
+
+
+def _flash_cpu_bwd_rule(grad, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    mask = [] if attn_mask is None else [Replicate()]
+    rules = [([Replicate()] * 3, [Replicate()] * 6 + mask)]
+    for dim in (0, 1):
+        mask = [] if attn_mask is None else [_mask_placement(attn_mask, dim)]
+        rules.append(([Shard(dim)] * 3, [Shard(dim)] * 6 + mask))
+    return rules
+
+
+@functools.cache
+def register_dtensor_rules() -> None:
+    """Register our sharding rules once per process, only for ops DTensor does not cover itself."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    known = set(propagator.op_strategy_funcs) | set(propagator.op_to_rules)
+    known |= set(getattr(propagator, "op_single_dim_strategy_funcs", {}))
+    for op, rule in ((_FLASH_CPU, _flash_cpu_fwd_rule), (_FLASH_CPU_BWD, _flash_cpu_bwd_rule)):
+        if op not in known:
+            register_sharding(op)(rule)
+
+
+def _align_mask(mask, query: DTensor):
+    """`mask` (B|1, H|1, S, S) placed like `query` on batch and heads, replicated elsewhere."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return mask
+    if not isinstance(mask, DTensor):
+        mask = DTensor.from_local(mask, query.device_mesh, [Replicate()] * query.device_mesh.ndim,
+                                  run_check=False)
+    target = []
+    for p in query.placements:
+        if isinstance(p, Shard) and p.dim in (0, 1) and mask.shape[p.dim] > 1:
+            target.append(Shard(p.dim))
+        elif isinstance(p, Shard) and p.dim in (2, 3):
+            raise NotImplementedError("attention on a sequence-sharded query is not supported; the plan must "
+                                      "gather the sequence before attention")
+        else:
+            target.append(Replicate())
+    return mask.redistribute(placements=target)
+
+
+class SPMDMode(TorchFunctionMode):
+    """Function-level implicit replication and attention-mask alignment (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
+        if mesh is not None and not _is_inplace(func, kwargs):
+            plain = [isinstance(x, torch.Tensor) and not isinstance(x, DTensor) for x in flat]
+            if any(plain):
+                rep = [Replicate()] * mesh.ndim
+                flat = [DTensor.from_local(x, mesh, rep, run_check=False) if is_plain else x
+                        for x, is_plain in zip(flat, plain, strict=True)]
+                args, kwargs = pytree.tree_unflatten(flat, spec)
+            if func is F.scaled_dot_product_attention:
+                args, kwargs = _with_aligned_mask(args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _is_inplace(func, kwargs) -> bool:
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or (name.endswith("_") and not name.endswith("__"))
+
+
+def _with_aligned_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    query = args[0]
+    if not isinstance(query, DTensor):
+        return args, kwargs
+    if "attn_mask" in kwargs:
+        kwargs = {**kwargs, "attn_mask": _align_mask(kwargs["attn_mask"], query)}
+    elif len(args) > 3:
+        args = (*args[:3], _align_mask(args[3], query), *args[4:])
+    return args, kwargs
+
+
+class _ReducePartialGrad(torch.autograd.Function):
+    """Identity forward; backward turns a `Partial` gradient into a replicated one."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+        return grad
+
+
+def reduce_partial_grad(x: DTensor) -> DTensor:
+    """`x`, whose gradient reaches its producer fully reduced.
+
+    Needed after redistributing a vocabulary-parallel embedding's output (`MaskPartial`): DTensor's backward of
+    that redistribution cannot turn a `Partial(sum)` gradient (what flows back from ops that are linear in their
+    gradient, e.g. an RMSNorm written in Python) into a `MaskPartial` one, and the embedding's backward needs
+    the reduced gradient anyway (Megatron-LM's vocabulary-parallel embedding all-reduces in forward only).
+    """
+    return _ReducePartialGrad.apply(x)

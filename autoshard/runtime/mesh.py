@@ -1,0 +1,84 @@
+"""Process groups and device meshes: a plan's `MeshSpec` -> a `DeviceMesh` with the same named dims.
+
+The mesh is built with `init_device_mesh` over the axes inside one pipeline stage (`dp`, `tp` / `tp_r, tp_c` /
+`tp_x, tp_y, tp_z`), outermost first, so ranks are laid out row-major exactly as `MeshSpec.stride` says and
+the tensor-parallel groups are the contiguous ones (inside a node, as in Megatron-LM). Sub-meshes come from
+indexing by name: `mesh["tp"]`, `mesh["dp"]`, `mesh[("tp_r", "tp_c")]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autoshard.errors import RuntimeSetupError
+from autoshard.planner.layouts import MeshSpec
+
+__all__ = ["init_distributed", "build_device_mesh", "backend_for", "DEFAULT_TIMEOUT_S", "tp_mesh_names"]
+
+log = logging.getLogger(__name__)
+
+# Long enough for a first NCCL communicator on a large job, short enough that a dead rank ends the job
+# instead of hanging it (issue 7). Tests pass their own, much shorter, timeout.
+DEFAULT_TIMEOUT_S = 600.0
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def backend_for(device_type: str) -> str:
+    if device_type not in _BACKENDS:
+        raise RuntimeSetupError(f"unsupported device type {device_type!r}; autoshard runs on "
+                                f"{', '.join(_BACKENDS)} (gloo on CPU, NCCL on CUDA)")
+    return _BACKENDS[device_type]
+
+
+def init_distributed(*, device_type: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the default process group, initializing it from the torchrun environment if needed.
+
+    An existing group is kept, but its backend must suit `device_type` (gloo for CPU ranks, NCCL for GPUs).
+    """
+    backend = backend_for(device_type)
+    if dist.is_initialized():
+        have = dist.get_backend()
+        if backend not in str(have):
+            raise RuntimeSetupError(f"the process group uses backend {have!r} but the cluster's devices are "
+                                    f"{device_type}; initialize it with {backend!r} or use a matching cluster")
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeSetupError(f"no process group and no torchrun environment ({', '.join(missing)} unset); "
+                                "launch with `torchrun --nproc-per-node N script.py` or call "
+                                "torch.distributed.init_process_group first")
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeSetupError("the cluster has GPUs but CUDA is not available on this machine; use a "
+                                    "`1xNxcpu` cluster to run on CPU ranks")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    log.info("rank %d/%d joined the %s process group", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu") -> DeviceMesh:
+    """The `DeviceMesh` of `spec` over every rank of the default process group."""
+    if spec.degree("pp") > 1:
+        raise RuntimeSetupError(f"mesh {spec} has pipeline degree {spec.degree('pp')}; the runtime applies "
+                                "plans without pipeline parallelism only (pp=1) for now")
+    names = spec.spmd_axes
+    shape = tuple(spec.degree(a) for a in names)
+    size = spec.size
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if size != world:
+        factors = " x ".join(f"{a}={spec.degree(a)}" for a in names)
+        raise RuntimeSetupError(f"the plan's mesh {factors} needs {size} ranks but this job has {world}; "
+                                f"launch {size} ranks (torchrun --nproc-per-node {size}) or re-plan for {world}")
+    if not names:  # a one-rank plan with no axes at all
+        names, shape = ("dp",), (1,)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def tp_mesh_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(n for n in (mesh.mesh_dim_names or ()) if n.startswith("tp"))

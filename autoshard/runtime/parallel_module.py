@@ -1,0 +1,112 @@
+"""The model a user gets back: same object, same parameter names, a forward that speaks local tensors.
+
+`apply_plan` puts `ParallelModule` in front of the model's class (as FSDP2 does with `FSDPModule`), so the
+module keeps its identity, attributes and parameter FQNs. Its forward
+
+- takes this rank's data-parallel slice as ordinary tensors (`shard_inputs` cuts it from a global batch) and
+  makes them DTensors on the plan's mesh: batch-sharded on dp, replicated on the tensor-parallel axes;
+- runs the original forward under `SPMDMode` (see dtensor_ext.py), so every op of the model works on
+  DTensors with global shapes: models that reshape with explicit head counts and with -1 both work;
+- returns ordinary tensors for this rank's batch slice with full feature dims (logits over the whole
+  vocabulary), gathered from the tensor-parallel axes, so the loss is computed as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from autoshard.errors import ConfigurationError
+from autoshard.planner.plan import Plan
+from autoshard.runtime.dtensor_ext import SPMDMode
+
+__all__ = ["ParallelModule", "RuntimeState", "make_parallel"]
+
+
+@dataclass
+class RuntimeState:
+    plan: Plan
+    mesh: DeviceMesh
+
+    @property
+    def dp_degree(self) -> int:
+        names = self.mesh.mesh_dim_names or ()
+        return self.mesh.size(names.index("dp")) if "dp" in names else 1
+
+    def input_placements(self, x: torch.Tensor) -> list[Placement]:
+        """A local input slice: sharded on dp along its batch dim 0, replicated elsewhere."""
+        return [Shard(0) if name == "dp" and x.dim() > 0 else Replicate() for name in self.mesh.mesh_dim_names]
+
+    def output_placements(self, y: DTensor) -> list[Placement]:
+        """Keep the dp batch shard (this rank's slice), gather or reduce everything else."""
+        return [p if name == "dp" and p == Shard(0) else Replicate()
+                for name, p in zip(self.mesh.mesh_dim_names, y.placements, strict=True)]
+
+
+class ParallelModule:
+    """Mixin in front of the model's class; see the module docstring."""
+
+    _autoshard: RuntimeState
+
+    @property
+    def plan(self) -> Plan:
+        return self._autoshard.plan
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self._autoshard.mesh
+
+    def shard_inputs(self, global_inputs) -> tuple:
+        """This rank's part of a global batch: the dp slice of dim 0 of every tensor (others unchanged)."""
+        inputs = global_inputs if isinstance(global_inputs, tuple) else (global_inputs,)
+        state = self._autoshard
+        dp = state.dp_degree
+        if dp == 1:
+            return inputs
+        rank = state.mesh.get_local_rank("dp")
+
+        def cut(x):
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:
+                return x
+            if x.shape[0] % dp:
+                raise ConfigurationError(f"a global batch of {x.shape[0]} does not split over dp={dp} ranks; "
+                                         f"use a multiple of {dp}")
+            return x.chunk(dp)[rank]
+
+        return tuple(pytree.tree_map(cut, x) for x in inputs)
+
+    def forward(self, *args, **kwargs):
+        state = self._autoshard
+        with SPMDMode():
+            args, kwargs = pytree.tree_map(lambda x: _to_dtensor(x, state), (args, kwargs))
+            out = super().forward(*args, **kwargs)  # type: ignore[misc]
+            return pytree.tree_map(lambda y: _to_local(y, state), out)
+
+
+def _to_dtensor(x, state: RuntimeState):
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        return x
+    return DTensor.from_local(x, state.mesh, state.input_placements(x), run_check=False)
+
+
+def _to_local(y, state: RuntimeState):
+    if not isinstance(y, DTensor):
+        return y
+    target = state.output_placements(y)
+    if tuple(y.placements) != tuple(target):
+        y = y.redistribute(y.device_mesh, target)
+    return y.to_local()
+
+
+def make_parallel(model: nn.Module, state: RuntimeState) -> nn.Module:
+    """Put `ParallelModule` in front of `model`'s class, in place; returns the same object."""
+    cls = type(model)
+    if not issubclass(cls, ParallelModule):
+        model.__class__ = type(f"AutoShard{cls.__name__}", (ParallelModule, cls), {})
+    model._autoshard = state
+    return model

@@ -1,0 +1,137 @@
+"""What the runtime does around each module call, read off a plan and the graph it was made from.
+
+The runtime acts at *leaf-module* granularity: an op whose whole computation is one call of a leaf module
+(Linear, Conv1D, Embedding, a norm, Dropout, an activation module) gets a `ModuleSpec`: the layouts its
+activation inputs are redistributed to before the call, the layout its output is sent to afterwards, and
+the placements of its parameters. Ops inside a module's own forward (attention math, residual adds, rotary
+embeddings) have no module to hook: DTensor's sharding propagation runs them on whatever layouts their
+producers hand over, which is why outputs are redistributed on the producer's side when every consumer asks
+for the same layout (one collective instead of one per consumer, and the only way to reach a consumer that
+is not a module).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from autoshard.capture.ir import OpGraph
+from autoshard.errors import PlanFileError
+from autoshard.planner.layouts import Layout
+from autoshard.planner.plan import OpPlan, ParamPlacement, Plan
+
+__all__ = ["ModuleSpec", "module_specs", "param_owners"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """The runtime's view of one planned leaf-module op."""
+
+    path: str  # the module's FQN
+    op: str  # the plan's op name
+    kind: str
+    inputs: tuple[Layout, ...]  # compute layouts of the activation inputs, in argument order
+    output: Layout | None  # where the output goes after the call; None: left as produced
+    params: dict[str, ParamPlacement] = field(default_factory=dict)  # local name ('weight') -> placement
+    zero: int = 0
+    split: int = 1
+    regather: bool = False  # save_sharded_input: gather inside a checkpoint, again in backward
+
+
+def _is_module_call(op_plan: OpPlan, leaves: set[str]) -> bool:
+    """The op is a whole call of a leaf module: named after it (`path`, or `path_N` for a later call)."""
+    if op_plan.module not in leaves:
+        return False
+    return op_plan.op == op_plan.module or re.fullmatch(re.escape(op_plan.module) + r"_\d+", op_plan.op) is not None
+
+
+def param_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
+    """id(parameter) -> every (module, local name, module path) holding it (tied weights have several)."""
+    owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        for local, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mod, local, path))
+    return owners
+
+
+def _local_params(model: nn.Module, module: nn.Module, op_plan: OpPlan) -> dict[str, ParamPlacement]:
+    out = {}
+    for pp in op_plan.strategy.params:
+        try:
+            param = model.get_parameter(pp.name)
+        except AttributeError:
+            raise PlanFileError(f"the plan places parameter {pp.name!r} (op {op_plan.op}) which the model does "
+                                "not have; the plan was made for another model: re-plan") from None
+        local = next((k for k, v in module._parameters.items() if v is param), None)
+        if local is None:
+            raise PlanFileError(f"op {op_plan.op} is planned with parameter {pp.name!r}, which module "
+                                f"{op_plan.module!r} does not hold; re-plan for this model")
+        out[local] = pp
+    return out
+
+
+def _consumer_layouts(graph: OpGraph, by_op: dict[str, OpPlan], consumers: list[str], producer: str):
+    wanted: list[tuple[str, Layout]] = []
+    for name in consumers:
+        plan = by_op.get(name)
+        if plan is None:
+            continue  # index ops (masks, positions) are not planned
+        for i, src in enumerate(graph.op(name).inputs):
+            if src == producer and i < len(plan.strategy.inputs):
+                wanted.append((name, plan.strategy.inputs[i]))
+    return wanted
+
+
+def _output_layout(graph, by_op, consumers, producer, module_ops: dict[str, OpPlan]) -> Layout | None:
+    wanted = _consumer_layouts(graph, by_op, consumers, producer)
+    if not wanted:
+        return None
+    if any(module_ops.get(c) is not None and module_ops[c].strategy.save_sharded_input for c, _ in wanted):
+        return None  # that consumer gathers inside its checkpoint: hand over the shard
+    layouts = {lay for _, lay in wanted}
+    if len(layouts) == 1:
+        return layouts.pop()
+    log.debug("consumers of %s want different layouts (%s): each module consumer redistributes itself",
+              producer, ", ".join(sorted(map(str, layouts))))
+    return None
+
+
+def module_specs(plan: Plan, graph: OpGraph, model: nn.Module) -> dict[str, ModuleSpec]:
+    """module path -> ModuleSpec for every planned leaf-module op of `model` (the first call of a module)."""
+    if plan.fingerprint and plan.fingerprint != graph.fingerprint():
+        raise PlanFileError(f"the plan was made for a model with fingerprint {plan.fingerprint}, this model's "
+                            f"graph has {graph.fingerprint()}; re-plan for this model")
+    leaves = {n for n, m in model.named_modules() if n and next(m.children(), None) is None}
+    by_op = {p.op: p for p in plan.ops}
+    module_ops = {p.op: p for p in plan.ops if _is_module_call(p, leaves)}
+    consumers = graph.consumers()
+    specs: dict[str, ModuleSpec] = {}
+    for name, op_plan in module_ops.items():
+        if op_plan.module in specs:
+            if op_plan.strategy != by_op[specs[op_plan.module].op].strategy:
+                log.warning("module %s is called more than once with different strategies; the runtime "
+                            "applies the first (%s) to every call", op_plan.module, specs[op_plan.module].op)
+            continue
+        module = model.get_submodule(op_plan.module)
+        st = op_plan.strategy
+        specs[op_plan.module] = ModuleSpec(
+            path=op_plan.module, op=name, kind=op_plan.kind, inputs=st.inputs,
+            output=_output_layout(graph, by_op, consumers.get(name, []), name, module_ops),
+            params=_local_params(model, module, op_plan), zero=st.zero, split=st.split,
+            regather=st.save_sharded_input)
+    _warn_unhooked(plan, module_ops)
+    return specs
+
+
+def _warn_unhooked(plan: Plan, module_ops: dict[str, OpPlan]) -> None:
+    """Parameters of ops that are not whole leaf-module calls are replicated: say so once."""
+    for p in plan.ops:
+        if p.op not in module_ops and any(pp.storage.items for pp in p.strategy.params):
+            log.warning("op %s (module %s) places parameters but is not a leaf-module call; its parameters "
+                        "stay replicated", p.op, p.module)

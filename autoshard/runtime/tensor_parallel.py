@@ -1,0 +1,139 @@
+"""Tensor parallelism: parameters become DTensors, planned module calls redistribute around themselves.
+
+Every parameter of the model becomes a DTensor on the full SPMD mesh (dp and tensor-parallel axes), stored
+with its planned `storage` placement and replicated on dp (FSDP2 shards dp afterwards); parameters no op
+places are replicated. Each planned leaf-module call is wrapped by a `ModuleRuntime`, which
+
+1. redistributes its activation inputs to the planned compute layouts (plain tensors reaching a module are
+   model-made constants, i.e. replicated),
+2. redistributes parameters whose compute placement differs from storage (2D / 3D weights) *inside* the call,
+   so autograd reduce-scatters their gradients back to the storage placement,
+3. runs (1) and (2) and the module's math under a non-reentrant checkpoint when the plan keeps only the
+   sharded input for backward (`save_sharded_input`: sequence parallelism, Optimus 2D), so the gathered
+   input and weight are freed and gathered again in backward,
+4. redistributes the output to the layout its consumers want (see `specs.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+from autoshard.errors import PlanFileError
+from autoshard.planner.layouts import Layout
+from autoshard.runtime.dtensor_ext import SPMDMode, reduce_partial_grad
+from autoshard.runtime.placements import activation_placements, param_placements
+from autoshard.runtime.specs import ModuleSpec, param_owners
+
+__all__ = ["distribute_parameters", "ModuleRuntime", "install_module_runtimes", "redistribute_activation"]
+
+
+def redistribute_activation(x, layout: Layout | None, mesh_names) -> object:
+    """DTensor `x` laid out as `layout` (no-op for non-DTensors, a None layout, or the layout it has)."""
+    if layout is None or not isinstance(x, DTensor):
+        return x
+    target = activation_placements(layout, mesh_names, x)
+    if tuple(x.placements) == target:
+        return x
+    masked = any(p.is_partial() and type(p) is not Partial for p in x.placements)  # vocab-parallel embedding
+    y = x.redistribute(x.device_mesh, target)
+    return reduce_partial_grad(y) if masked else y
+
+
+def _storage_of(specs: dict[str, ModuleSpec], model: nn.Module, names) -> dict[int, tuple[tuple, str]]:
+    """id(parameter) -> (storage placements, op that asked), checking tied uses agree."""
+    storage: dict[int, tuple[tuple, str]] = {}
+    for spec in specs.values():
+        module = model.get_submodule(spec.path)
+        for local, pp in spec.params.items():
+            param = module._parameters[local]
+            placements = param_placements(pp.storage, names, module, local, param.dim())
+            prev = storage.setdefault(id(param), (placements, spec.op))
+            if prev[0] != placements:
+                raise PlanFileError(f"parameter {pp.name} is stored as {prev[0]} by op {prev[1]} but as "
+                                    f"{placements} by op {spec.op}; a tied parameter needs one storage layout")
+    return storage
+
+
+def distribute_parameters(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> None:
+    """Replace every parameter by a DTensor with its storage placement (tied parameters stay tied)."""
+    names = mesh.mesh_dim_names
+    storage = _storage_of(specs, model, names)
+    for pid, holders in param_owners(model).items():
+        param = holders[0][0]._parameters[holders[0][1]]
+        if isinstance(param, DTensor):
+            continue
+        placements = storage.get(pid, (tuple(Replicate() for _ in names), ""))[0]
+        # src_data_rank=0: rank 0's values win, so ranks that initialized differently still agree
+        dt = nn.Parameter(distribute_tensor(param.detach(), mesh, placements), requires_grad=param.requires_grad)
+        for module, local, _ in holders:
+            module._parameters[local] = dt
+
+
+@contextmanager
+def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]):
+    """Temporarily register `tensors` (compute-placed weights) under the module's parameter names."""
+    saved = {k: module._parameters[k] for k in tensors}
+    module._parameters.update(tensors)
+    try:
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+class ModuleRuntime:
+    """The forward of one planned module call (installed as the module's `forward`)."""
+
+    def __init__(self, module: nn.Module, spec: ModuleSpec, mesh: DeviceMesh) -> None:
+        self.module, self.spec, self.mesh = module, spec, mesh
+        self.names = mesh.mesh_dim_names
+        self.compute: Callable = functools.partial(type(module).forward, module)  # norms/splits replace it
+        self.compute_placements: dict[str, tuple[Placement, ...]] = {}
+        for local, pp in spec.params.items():
+            if pp.compute != pp.storage:
+                dim = module._parameters[local].dim()
+                self.compute_placements[local] = param_placements(pp.compute, self.names, module, local, dim)
+
+    def _replicated(self, x):
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        return x
+
+    def __call__(self, *args, **kwargs):
+        flat, tree = pytree.tree_flatten((args, kwargs))
+        flat = [self._replicated(x) for x in flat]
+        act_pos = [i for i, x in enumerate(flat) if isinstance(x, DTensor)][: len(self.spec.inputs)]
+        weight_names = list(self.compute_placements)
+        tensors = [flat[i] for i in act_pos] + [self.module._parameters[n] for n in weight_names]
+
+        def run(*tensors):
+            with SPMDMode():  # the checkpoint's recompute runs outside the model's forward
+                local_flat = list(flat)
+                for i, x, lay in zip(act_pos, tensors, self.spec.inputs, strict=False):
+                    local_flat[i] = redistribute_activation(x, lay, self.names)
+                weights = {n: w.redistribute(w.device_mesh, self.compute_placements[n])
+                           for n, w in zip(weight_names, tensors[len(act_pos):], strict=True)}
+                a, kw = pytree.tree_unflatten(local_flat, tree)
+                with _swapped(self.module, weights):
+                    return self.compute(*a, **kw)
+
+        out = checkpoint(run, *tensors, use_reentrant=False) if self.spec.regather else run(*tensors)
+        return pytree.tree_map(lambda y: redistribute_activation(y, self.spec.output, self.names), out)
+
+
+def install_module_runtimes(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> dict[str, ModuleRuntime]:
+    runtimes = {}
+    for path, spec in specs.items():
+        module = model.get_submodule(path)
+        runtime = ModuleRuntime(module, spec, mesh)
+        module.forward = runtime
+        runtimes[path] = runtime
+    return runtimes

@@ -1,0 +1,108 @@
+"""What each rank runs in the family tests: the parallel model against a single-process copy of itself.
+
+For every case: build the model (same seed on every rank), keep a deep copy as the single-process reference,
+apply the plan, run the same global batch through both (the parallel one gets this rank's slice), and
+compare the loss, every gradient, and every parameter after three AdamW steps. Gradients and parameters are
+gathered with `full_tensor()` (all ranks iterate parameters in the same order, so the collectives match).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_models import build, example_batch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autoshard.runtime import apply_plan, build_device_mesh, local_param_bytes
+from autoshard.runtime.split import SplitLinear
+
+__all__ = ["compare_cases", "loss_of", "full_named"]
+
+STEPS = 3
+LR = 1e-3
+
+
+def loss_of(name: str, out, target: torch.Tensor) -> torch.Tensor:
+    if name == "mlp":
+        return F.mse_loss(out, target)
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_named(pmodel: nn.Module, names: list[str], *, grads: bool) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters or gradients under their original names (split Linears re-joined)."""
+    out = {}
+    for name in names:
+        path, _, local = name.rpartition(".")
+        module = pmodel.get_submodule(path)
+        if isinstance(module, SplitLinear) and local == "weight":
+            parts = [_full(s.weight.grad if grads else s.weight) for s in module.slices]
+            out[name] = torch.cat(parts, dim=module.in_dim)
+        else:
+            p = module._parameters[local]
+            out[name] = _full(p.grad if grads else p)
+    return out
+
+
+def _max_diff(got: dict, want: dict) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for name, w in want.items():
+        g = got[name]
+        d = float("inf") if g is None or g.shape != w.shape else (g.detach() - w.detach()).abs().max().item()
+        if d > worst:
+            worst, where = d, name
+    return worst, where
+
+
+def _dp_mean(x: torch.Tensor, mesh) -> float:
+    names = mesh.mesh_dim_names
+    if "dp" not in names:
+        return x.item()
+    t = x.detach().clone()
+    dist.all_reduce(t, group=mesh.get_group("dp"))
+    return t.item() / mesh.size(names.index("dp"))
+
+
+def _one_case(case: dict) -> dict:
+    name, plan, graph, batch = case["model"], case["plan"], case["graph"], case["batch"]
+    model = build(name)
+    ref = copy.deepcopy(model)
+    names = [n for n, _ in ref.named_parameters()]
+    mesh = build_device_mesh(plan.mesh)
+    pmodel = apply_plan(model, plan, graph=graph, mesh=mesh)
+    x, y = example_batch(name, batch)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=LR)
+    result: dict = {"case": case["id"], "param_bytes": local_param_bytes(pmodel)}
+    for step in range(STEPS):
+        ref_loss = loss_of(name, ref(x), y)
+        ref_loss.backward()
+        lx, ly = pmodel.shard_inputs((x, y))
+        loss = loss_of(name, pmodel(lx), ly)
+        loss.backward()
+        if step == 0:
+            result["loss_diff"] = abs(_dp_mean(loss, mesh) - ref_loss.item())
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            result["grad_diff"], result["grad_worst"] = _max_diff(full_named(pmodel, names, grads=True), ref_grads)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    result["param_diff"], result["param_worst"] = _max_diff(full_named(pmodel, names, grads=False), ref_params)
+    return result
+
+
+def compare_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Run every case on this rank (all ranks run the same cases in the same order)."""
+    return [_one_case(c) for c in cases]
