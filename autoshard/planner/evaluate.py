@@ -31,7 +31,8 @@ from autoshard.planner.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.planner.strategies import same_strategy
 from autoshard.planner.template import planned_edges, stage_of, template_for
 
-__all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches"]
+__all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches",
+           "stage_units"]
 
 
 @dataclass(frozen=True)
@@ -126,14 +127,14 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             stages[k].tp += n * t
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
-    units = _units(graph, pipe, stage)
+    units = stage_units(graph, pipe, stage)
     for k, st in enumerate(stages):
         st.units = units[k]
     _boundaries(graph, assign, ctx, pipe, stage, stages)
     return stages
 
 
-def _units(graph: OpGraph, pipe: PipelineSpec, stage: dict[str, int]) -> list[int]:
+def stage_units(graph: OpGraph, pipe: PipelineSpec, stage: dict[str, int]) -> list[int]:
     """Blocks per stage: the granularity at which communication can be overlapped."""
     cache = graph_cache(graph)
     key = ("units", pipe.degree, pipe.virtual_stages, pipe.stage_layers)

@@ -44,12 +44,12 @@ import pulp
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
 from autoshard.planner.context import PlanContext
-from autoshard.planner.evaluate import block_inputs, inflight_microbatches, sink_layout
-from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost
+from autoshard.planner.evaluate import block_inputs, inflight_microbatches, sink_layout, stage_units
+from autoshard.planner.opcost import OpCost, edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.physical import physical_key
 from autoshard.planner.plan import OpStrategy, PipelineSpec
 from autoshard.planner.strategies import rebind
-from autoshard.planner.template import TemplateGraph, build_template, stage_of
+from autoshard.planner.template import TemplateGraph, template_for
 
 __all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "extract_assignment"]
 
@@ -75,7 +75,7 @@ class Problem:
     strategies: dict[str, list[OpStrategy]]
     costs: dict[str, list[OpCost]]
     x: dict[StratVar, pulp.LpVariable]
-    memory_exprs: list  # per stage
+    memory_exprs: list  # per stage: (terms, constant bytes)
     time_var: pulp.LpVariable
 
 
@@ -87,15 +87,27 @@ class Solution:
     solve_time_s: float
 
 
+def _aff(terms) -> pulp.LpAffineExpression:
+    """An affine expression from (variable, coefficient) pairs, repeated variables summed (PuLP's own
+    constructor keeps only the last coefficient of a repeated variable); much faster than `+` and `*`."""
+    acc: dict = {}
+    for v, c in terms:
+        acc[v] = acc.get(v, 0.0) + c
+    return pulp.LpAffineExpression(acc)
+
+
+def _eq(lp, left, right) -> None:
+    lp += pulp.LpConstraint(_aff(left + [(v, -c) for v, c in right]), pulp.LpConstraintEQ, rhs=0)
+
+
 def _strategy_vars(lp, tg: TemplateGraph, strategies) -> dict[StratVar, pulp.LpVariable]:
     x = {}
     for op in tg.ops:
         vs = []
         for i, _ in enumerate(strategies[op.name]):
-            key = StratVar(op.name, i)
-            x[key] = vs_i = pulp.LpVariable(f"x_{len(x)}", cat="Binary")
-            vs.append(vs_i)
-        lp += pulp.lpSum(vs) == 1
+            x[StratVar(op.name, i)] = v = pulp.LpVariable(f"x_{len(x)}", cat="Binary")
+            vs.append((v, 1.0))
+        lp += pulp.LpConstraint(_aff(vs), pulp.LpConstraintEQ, rhs=1)
     return x
 
 
@@ -103,35 +115,42 @@ def _consumer_key(st: OpStrategy, index: int) -> tuple:
     return (st.inputs[index], grad_partial_axes(st) if index == 0 else frozenset())
 
 
+def _groups(items: list, key) -> tuple[list, list[int]]:
+    """(distinct keys in first-seen order, group index of each item)."""
+    index: dict = {}
+    of = [index.setdefault(key(it), len(index)) for it in items]
+    return list(index), of
+
+
 def _edge_vars(lp, tg, strategies, x, ctx, recompute_full: bool):
-    """Edge variables and their per-stage cost expressions."""
+    """Edge variables; returns per-stage lists of (variable, seconds) terms."""
     num_stages = len(next(iter(tg.per_stage.values())))
-    stage_cost = [[] for _ in range(num_stages)]
-    cache: dict[tuple, EdgeCost] = {}
+    stage_terms: list[list] = [[] for _ in range(num_stages)]
+    out_groups = {}
     for ei, e in enumerate(tg.edges):
         src_st, dst_st = strategies[e.src], strategies[e.dst]
-        outs = sorted({s.output for s in src_st}, key=str)
-        keys = sorted({_consumer_key(s, e.index) for s in dst_st}, key=str)
+        if e.src not in out_groups:
+            out_groups[e.src] = _groups(src_st, lambda s: s.output)
+        outs, out_of = out_groups[e.src]
+        keys, key_of = _groups(dst_st, lambda s, i=e.index: _consumer_key(s, i))
         y = {(a, b): pulp.LpVariable(f"y_{ei}_{a}_{b}", lowBound=0) for a in range(len(outs))
              for b in range(len(keys))}
-        for a, lay in enumerate(outs):
-            lp += pulp.lpSum(y[a, b] for b in range(len(keys))) == pulp.lpSum(
-                x[StratVar(e.src, i)] for i, s in enumerate(src_st) if s.output == lay)
-        for b, key in enumerate(keys):
-            lp += pulp.lpSum(y[a, b] for a in range(len(outs))) == pulp.lpSum(
-                x[StratVar(e.dst, i)] for i, s in enumerate(dst_st) if _consumer_key(s, e.index) == key)
+        for a in range(len(outs)):
+            _eq(lp, [(y[a, b], 1.0) for b in range(len(keys))],
+                [(x[StratVar(e.src, i)], 1.0) for i, g in enumerate(out_of) if g == a])
+        for b in range(len(keys)):
+            _eq(lp, [(y[a, b], 1.0) for a in range(len(outs))],
+                [(x[StratVar(e.dst, i)], 1.0) for i, g in enumerate(key_of) if g == b])
         for (a, b), var in y.items():
-            ck = (id(e), a, b)
-            c = cache.get(ck) or edge_cost(e.meta, outs[a], keys[b][0], keys[b][1], ctx)
-            cache[ck] = c
+            c = edge_cost(e.meta, outs[a], keys[b][0], keys[b][1], ctx)
             t = c.time_s + (c.fwd_s if recompute_full and e.in_block else 0.0)
             if t == float("inf"):
-                lp += var == 0
+                var.upBound = 0
                 continue
             for k, n in enumerate(e.per_stage):
                 if n and t:
-                    stage_cost[k].append(n * t * var)
-    return stage_cost
+                    stage_terms[k].append((var, n * t))
+    return stage_terms
 
 
 def _output_costs(tg, strategies, x, ctx, stage_of_t):
@@ -139,7 +158,7 @@ def _output_costs(tg, strategies, x, ctx, stage_of_t):
     for name in tg.outputs:
         for i, s in enumerate(strategies[name]):
             c = edge_cost(_op(tg, name).output_meta, s.output, sink_layout(ctx), frozenset(), ctx)
-            terms.append((stage_of_t[name], c.time_s * x[StratVar(name, i)]))
+            terms.append((stage_of_t[name], (x[StratVar(name, i)], c.time_s)))
     return terms
 
 
@@ -148,61 +167,61 @@ def _op(tg: TemplateGraph, name: str):
 
 
 def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
-    """T >= per-stage time; returns (T, [S_k], [opt_k])."""
-    num_stages = pipe.degree
+    """T >= per-stage time; returns (T, [S_k], [opt_k] as term lists)."""
     T = pulp.LpVariable("T", lowBound=0)
     syncs, opts = [], []
     m = ctx.num_microbatches
-    for k in range(num_stages):
-        comp, tp, dpmb, dpit, bwd, params = [], [], [], [], [], []
+    per_param = optimizer_step_bytes(1.0, ctx.precision) / ctx.precision.param_bytes / (
+        ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)
+    for k in range(pipe.degree):
+        comp, tp, dpmb, dpit, bwd, opt = [], [], [], [], [], []
         for op in tg.ops:
             n = tg.per_stage[op.name][k]
             if not n:
                 continue
             for i, c in enumerate(costs[op.name]):
                 v = x[StratVar(op.name, i)]
-                comp.append(n * (c.fwd_s + c.bwd_s + c.recompute_s) * v)
-                bwd.append(n * (c.bwd_s + c.recompute_s) * v)
-                tp.append(n * (c.tp_fwd_s + c.tp_bwd_s) * v)
-                dpmb.append(n * (c.dp_fwd_s + c.dp_bwd_s) / (m if pipe.layered else 1) * v)
-                dpit.append(n * c.dp_iter_s * v)
-                params.append(n * c.param_bytes * v)
+                comp.append((v, n * (c.fwd_s + c.bwd_s + c.recompute_s)))
+                bwd.append((v, n * (c.bwd_s + c.recompute_s)))
+                tp.append((v, n * (c.tp_fwd_s + c.tp_bwd_s)))
+                dpmb.append((v, n * (c.dp_fwd_s + c.dp_bwd_s) / (m if pipe.layered else 1)))
+                dpit.append((v, n * c.dp_iter_s))
+                opt.append((v, n * c.param_bytes * per_param))
         tp += edge_terms[k] + [t for s, t in out_terms if s == k]
         E = pulp.LpVariable(f"E_{k}", lowBound=0)
         S = pulp.LpVariable(f"S_{k}", lowBound=0)
-        lp += pulp.lpSum(dpmb) - pulp.lpSum(comp) <= E
-        lp += pulp.lpSum(dpmb) * (1.0 / units[k]) <= E
-        lp += pulp.lpSum(dpit) - pulp.lpSum(bwd) <= S
-        lp += pulp.lpSum(dpit) * (1.0 / units[k]) <= S
-        lp += pulp.lpSum(comp) + pulp.lpSum(tp) + E + p2p[k] <= T
+        lp += pulp.LpConstraint(_aff([(E, 1.0)] + [(v, -c) for v, c in dpmb] + comp), pulp.LpConstraintGE, rhs=0)
+        lp += pulp.LpConstraint(_aff([(E, 1.0)] + [(v, -c / units[k]) for v, c in dpmb]), pulp.LpConstraintGE, rhs=0)
+        lp += pulp.LpConstraint(_aff([(S, 1.0)] + [(v, -c) for v, c in dpit] + bwd), pulp.LpConstraintGE, rhs=0)
+        lp += pulp.LpConstraint(_aff([(S, 1.0)] + [(v, -c / units[k]) for v, c in dpit]), pulp.LpConstraintGE, rhs=0)
+        lp += pulp.LpConstraint(_aff([(T, 1.0), (E, -1.0)] + [(v, -c) for v, c in comp + tp]),
+                                pulp.LpConstraintGE, rhs=p2p[k])
         syncs.append(S)
-        # Optimizer step: memory-bound over the stage's local parameters (params bytes -> numel).
-        per_param = optimizer_step_bytes(1.0, ctx.precision) / ctx.precision.param_bytes
-        opts.append(pulp.lpSum(params) * (per_param / (ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)))
+        opts.append(opt)
     return T, syncs, opts
 
 
 def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize):
+    """Per-stage memory as (terms, constant); adds the cap constraints unless minimizing."""
     exprs = []
     groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
     other = framework_overhead_bytes(groups)
     for k in range(pipe.degree):
         inflight = inflight_microbatches(k, pipe, ctx.num_microbatches)
         R = pulp.LpVariable(f"R_{k}", lowBound=0)
-        terms = []
+        terms = [(R, 2.0)]
         for op in tg.ops:
             n = tg.per_stage[op.name][k]
             if not n:
                 continue
             for i, c in enumerate(costs[op.name]):
                 v = x[StratVar(op.name, i)]
-                terms.append(n * (c.state_bytes + inflight * c.saved_bytes) * v)
+                terms.append((v, n * (c.state_bytes + inflight * c.saved_bytes)))
                 if c.transient_bytes:
-                    lp += c.transient_bytes * v <= R
-        expr = pulp.lpSum(terms) + 2 * R + other
-        exprs.append(expr)
+                    lp += pulp.LpConstraint(_aff([(R, 1.0), (v, -c.transient_bytes)]), pulp.LpConstraintGE, rhs=0)
+        exprs.append((terms, other))
         if not minimize:
-            lp += expr <= cap_bytes
+            lp += pulp.LpConstraint(_aff(terms), pulp.LpConstraintLE, rhs=cap_bytes - other)
     return exprs
 
 
@@ -233,38 +252,38 @@ def _tied_params(lp, graph: OpGraph, tg, strategies, x) -> None:
 
 
 def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategies: dict[str, list[OpStrategy]],
-                  *, cap_bytes: float, minimize_memory: bool = False, p2p_bytes: float = 0.0) -> Problem:
-    """Write the ILP for `graph` on `ctx` with candidate `strategies` per op (template ops only needed)."""
-    chunk = stage_of(graph, pipe)
-    stage = {n: c % pipe.degree for n, c in chunk.items()}
-    tg = build_template(graph, stage, pipe.degree)
+                  *, cap_bytes: float, minimize_memory: bool = False, p2p_bytes: float = 0.0,
+                  costs: dict[str, list[OpCost]] | None = None) -> Problem:
+    """Write the ILP for `graph` on `ctx` with candidate `strategies` per op (template ops only needed).
+    `costs`: precomputed `op_cost` of each candidate (they do not depend on the pipeline layout)."""
+    tg, stage = template_for(graph, pipe)
     lp = pulp.LpProblem("autoshard", pulp.LpMinimize)
-    firsts = block_inputs(graph)
-    costs = {op.name: [op_cost(op, s, ctx, block_input=firsts.get(op.name)) for s in strategies[op.name]]
-             for op in tg.ops}
+    if costs is None:
+        firsts = block_inputs(graph)
+        costs = {op.name: [op_cost(op, s, ctx, block_input=firsts.get(op.name)) for s in strategies[op.name]]
+                 for op in tg.ops}
     x = _strategy_vars(lp, tg, strategies)
     edge_terms = _edge_vars(lp, tg, strategies, x, ctx, ctx.recompute == "full")
     out_terms = _output_costs(tg, strategies, x, ctx, {n: stage[n] for n in tg.outputs})
-    units = [max(1, len({op.layer for op in graph.ops if op.layer is not None and stage[op.name] == k}))
-             for k in range(pipe.degree)]
+    units = stage_units(graph, pipe, stage)
     p2p = [2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0] * pipe.degree
     T, syncs, opts = _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p)
     mem = _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize_memory)
     _tied_params(lp, graph, tg, strategies, x)
     if minimize_memory:
         M = pulp.LpVariable("M", lowBound=0)
-        for e in mem:
-            lp += e <= M
-        lp += M
+        for terms, const in mem:
+            lp += pulp.LpConstraint(_aff([(M, 1.0)] + [(v, -c) for v, c in terms]), pulp.LpConstraintGE, rhs=const)
+        lp.setObjective(_aff([(M, 1.0)]))
     else:
         fill = _fill(pipe)
         S = pulp.LpVariable("S", lowBound=0)
         O = pulp.LpVariable("O", lowBound=0)
-        for s in syncs:
-            lp += s <= S
+        for s_k in syncs:
+            lp += pulp.LpConstraint(_aff([(S, 1.0), (s_k, -1.0)]), pulp.LpConstraintGE, rhs=0)
         for o in opts:
-            lp += o <= O
-        lp += (ctx.num_microbatches + fill) * T + S + O
+            lp += pulp.LpConstraint(_aff([(O, 1.0)] + [(v, -c) for v, c in o]), pulp.LpConstraintGE, rhs=0)
+        lp.setObjective(_aff([(T, ctx.num_microbatches + fill), (S, 1.0), (O, 1.0)]))
     return Problem(graph=graph, lp=lp, template=tg, strategies=strategies, costs=costs, x=x, memory_exprs=mem, time_var=T)
 
 
