@@ -17,11 +17,51 @@ def resolve_cluster(cluster):
     return cluster if isinstance(cluster, ClusterSpec) else ClusterSpec.parse(cluster)
 
 
+ATTENTION_CHOICES = ("auto", "eager", "flash", "sdpa")
+
+
+def _explicit_attn(model) -> bool:
+    return isinstance(model, str) and "attn=" in model.replace(" ", "")
+
+
 def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None = None, micro_batch: int = 1,
                     global_batch: int, seq: int | None = None, recompute: str = "none",
                     sequence_parallel: bool = False, virtual_stages: int = 1, schedule: str | None = None,
-                    zero: int = 0, check_memory: bool = True):
-    """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec)."""
+                    zero: int = 0, attention: str = "auto", check_memory: bool = True):
+    """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
+
+    `attention` for zoo and spec models: "eager" (materialized scores and a fused softmax: Megatron-LM's and
+    DeepSpeed's kernel unless flash attention is switched on), "flash" (causal FlashAttention-2), "sdpa"
+    (Hugging Face's masked SDPA), or "auto": Megatron's materialized attention when it fits in memory, flash
+    attention when it does not (a configuration whose scores cannot fit can only have run with flash).
+    """
+    if attention not in ATTENTION_CHOICES:
+        raise ConfigurationError(f"--attention {attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
+    kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
+              recompute=recompute, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
+              schedule=schedule, zero=zero)
+    if attention == "auto" and _zoo_or_spec(model) and not _explicit_attn(model):
+        try:
+            return _estimate(model, cluster, attn="eager", check_memory=True, **kw)
+        except _DoesNotFit:
+            attention = "flash"
+    return _estimate(model, cluster, attn=None if attention == "auto" else attention, check_memory=check_memory,
+                     **kw)
+
+
+def _zoo_or_spec(model) -> bool:
+    if not isinstance(model, str):
+        return False
+    head = model.split(":", 1)[0].strip().lower()
+    return ":" not in model or head in ("gpt", "llama", "bert", "vit", "mlp")
+
+
+class _DoesNotFit(ConfigurationError):
+    """The configuration exceeds device memory."""
+
+
+def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
+              virtual_stages, schedule, zero, attn, check_memory):
     cluster = resolve_cluster(cluster)
     if dp is None:
         if cluster.num_gpus % (tp * pp):
@@ -29,11 +69,11 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
         dp = cluster.num_gpus // (tp * pp)
     cfg = HandConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
                      sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero)
-    graph = capture_model(load_model(model, seq=seq))
+    graph = capture_model(load_model(model, seq=seq, attn=attn))
     plan, _ = estimate(graph, cluster, cfg)
     need = plan.prediction.memory.total_bytes
     if check_memory and need > cluster.device_memory_bytes:
-        raise ConfigurationError(
+        raise _DoesNotFit(
             f"this configuration needs {need / 2**30:.1f} GiB per GPU but {cluster.gpu.name} has "
             f"{cluster.device_memory_bytes / 2**30:.0f} GiB; raise tp/pp, use --recompute full, "
             "a smaller --micro-batch or --zero")

@@ -87,6 +87,13 @@ def _prediction_text(pred, cluster) -> list[str]:
     ]
 
 
+def _attention_kernel(plan) -> str:
+    kinds = {p.kind for p in plan.ops}
+    if "attention" in kinds:
+        return "flash/sdpa (fused kernel)"
+    return "eager (materialized scores)" if "softmax" in kinds else "none"
+
+
 def _cmd_estimate(args) -> int:
     from autoshard.api import estimate_config
 
@@ -94,14 +101,15 @@ def _cmd_estimate(args) -> int:
         args.model, args.cluster, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
         global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
-        zero=args.zero)
+        zero=args.zero, attention=args.attention)
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
             "pipeline": {"degree": plan.pipeline.degree, "schedule": plan.pipeline.schedule,
                          "virtual_stages": plan.pipeline.virtual_stages},
-            "num_microbatches": plan.num_microbatches, **prediction_json(pred)}
+            "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
+            **prediction_json(pred)}
     head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch {plan.micro_batch} x "
-            f"{plan.num_microbatches}, recompute {plan.recompute}"
+            f"{plan.num_microbatches}, recompute {plan.recompute}, attention {data['attention']}"
             + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")]
     _emit(args, data, "\n".join(head + _prediction_text(pred, cluster)))
     return 0
@@ -234,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
     e.add_argument("--schedule", choices=("1f1b", "interleaved-1f1b", "gpipe", "looped-bfs"), default=None)
     e.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
+    e.add_argument("--attention", choices=("auto", "eager", "flash", "sdpa"), default="auto",
+                   help="attention kernel: eager (Megatron's fused softmax), flash, sdpa; auto = eager when it "
+                        "fits in memory, else flash")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_estimate)
 

@@ -65,12 +65,22 @@ def _seq_len(ops: tuple[Op, ...]) -> int | None:
 
 def capture_model(loaded: LoadedModel) -> OpGraph:
     """Capture a zoo / spec / factory model. Spec models are traced with 2 blocks and expanded (same graph,
-    a fraction of the time); others are traced whole."""
+    a fraction of the time); others are traced whole. A spec with attn=flash gets causal FlashAttention."""
+    graph = None
     if loaded.spec is not None and loaded.spec.layers > 2:
         graph = _capture_spec(loaded.spec)
         if graph is not None:
-            return replace(graph, model_name=loaded.name, _index={})
-    return capture(loaded.module, loaded.example_inputs(2), name=loaded.name)
+            graph = replace(graph, model_name=loaded.name, _index={})
+    if graph is None:
+        graph = capture(loaded.module, loaded.example_inputs(2), name=loaded.name)
+    if loaded.spec is not None and loaded.spec.attn == "flash":
+        graph = _with_attention_kernel(graph, "flash")
+    return graph
+
+
+def _with_attention_kernel(graph: OpGraph, kernel: str) -> OpGraph:
+    ops = tuple(replace(op, variant=kernel) if op.kind is OpKind.ATTENTION else op for op in graph.ops)
+    return replace(graph, ops=ops, _index={})
 
 
 @functools.lru_cache(maxsize=16)

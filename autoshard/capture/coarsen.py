@@ -73,6 +73,7 @@ class _Group:
     unknown: list[str] = field(default_factory=list)
     node_kinds: set = field(default_factory=set)
     saves_internal: bool = False
+    variant: str = ""
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,7 @@ class _Coarsener:
             self._note_gemm(g, flops, mnk)
         elif kind is OpKind.ATTENTION:
             flops = attention_flops(shapes[0], shapes[1], shapes[2])
+            g.variant = "masked" if _has_attn_mask(node) else "flash"
             g.saved.extend(v for v in vals[:3] if isinstance(v, _Act))
             g.saved.append(_Act(g.gid, meta, True, node.name))  # the output
             lse = TensorMeta(shape=out_shape[:-1], dtype="float32", batch_dims=meta.batch_dims if meta else ())
@@ -343,6 +345,13 @@ class _Coarsener:
                 g.saves_internal = True
             else:
                 g.saved.append(v)
+
+
+def _has_attn_mask(node: fx.Node) -> bool:
+    """PyTorch's SDPA only takes its FlashAttention backend without an explicit mask: a mask tensor sends it
+    to the memory-efficient kernel (torch.backends.cuda.sdp_kernel docs; FlashAttention supports causal only)."""
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    return isinstance(mask, fx.Node)
 
 
 def _flatten(x):
@@ -432,6 +441,7 @@ def _to_op(c: _Coarsener, g: _Group, kind: OpKind, names: dict[int, str]) -> Op:
         saved=tuple(s.meta for s in saved if s.meta is not None), needs_input_grad=needs_input_grad,
         aten=tuple(ak.aten_name(n.target) for n in g.nodes),
         gemm=g.gemm if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV) else None,
+        variant=g.variant if kind is OpKind.ATTENTION else "",
     )
 
 

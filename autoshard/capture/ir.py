@@ -103,6 +103,7 @@ class Op:
     needs_input_grad: bool = True  # False when no activation input is on the gradient path
     aten: tuple[str, ...] = ()  # the ATen targets coarsened into this op
     gemm: tuple[int, int, int] | None = None  # (M per sample, N, K) of the main GEMM, for efficiency
+    variant: str = ""  # kernel choice that changes speed: attention "flash" (causal/no mask) or "masked"
 
     @property
     def param_numel(self) -> int:

@@ -16,16 +16,16 @@ from autoshard.hardware_profiles.profiles import GPUProfile
 
 __all__ = [
     "gemm_time_s", "memory_bound_time_s", "fused_attention_time_s", "gemm_efficiency",
-    "ATTENTION_EFFICIENCY_VS_GEMM", "FLASH_BACKWARD_FLOPS_FACTOR",
+    "ATTENTION_KERNELS", "FLASH_BACKWARD_FLOPS_FACTOR", "attention_efficiency",
 ]
 
 # CTA tile shapes (rows x cols of the output) cuBLAS picks for large bf16 GEMMs on Volta..Hopper; the guide's
 # figures use 256x128 and 128x128. The best of them is taken, as cuBLAS's heuristics do.
 _TILES = ((256, 128), (128, 256), (128, 128))
 
-# FlashAttention-2 (Dao 2023, arXiv 2307.08691, §4.1): 50-73% of A100 peak forward, ~63% backward, against
-# 86% for the largest cuBLAS GEMMs (REFERENCES.md §2): fused attention runs at ~0.72 of GEMM efficiency.
-ATTENTION_EFFICIENCY_VS_GEMM = 0.72
+# Fused attention kernels: "flash" (FlashAttention-2, causal or unmasked) and "masked" (PyTorch SDPA given an
+# explicit mask runs the memory-efficient kernel). Their efficiencies are per GPU, in the hardware profiles.
+ATTENTION_KERNELS = ("flash", "masked")
 # Its backward recomputes the score matrix: 5 matmuls against the forward's 2, i.e. 2.5x the forward FLOPs
 # where model-FLOP counting (Megatron) says 2x (Dao 2023 §3.1.2).
 FLASH_BACKWARD_FLOPS_FACTOR = 2.5
@@ -60,10 +60,20 @@ def memory_bound_time_s(nbytes: float, gpu: GPUProfile, *, kernels: int = 1) -> 
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency) + kernels * gpu.kernel_launch_us * 1e-6
 
 
-def fused_attention_time_s(flops: float, io_bytes: float, gpu: GPUProfile) -> float:
-    """A FlashAttention-style kernel: compute-bound at a fraction of GEMM efficiency, never below its I/O."""
+def attention_efficiency(gpu: GPUProfile, kernel: str) -> float:
+    """Fraction of peak a fused attention kernel reaches; flash falls back where the GPU cannot run it."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; known: {', '.join(ATTENTION_KERNELS)}")
+    if kernel == "flash" and gpu.flash_attention_efficiency is not None:
+        return gpu.flash_attention_efficiency
+    return gpu.memory_efficient_attention_efficiency
+
+
+def fused_attention_time_s(flops: float, io_bytes: float, gpu: GPUProfile, *, kernel: str = "flash") -> float:
+    """A fused attention kernel ("flash" or "masked"): compute-bound at a fraction of GEMM efficiency, never
+    below its I/O."""
     if flops <= 0:
         return 0.0
-    t_math = flops / (gpu.peak_tflops * 1e12 * gpu.max_gemm_efficiency * ATTENTION_EFFICIENCY_VS_GEMM)
+    t_math = flops / (gpu.peak_tflops * 1e12 * attention_efficiency(gpu, kernel))
     t_mem = io_bytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
     return max(t_math, t_mem) + gpu.kernel_launch_us * 1e-6

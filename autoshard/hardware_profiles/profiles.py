@@ -36,13 +36,17 @@ class GPUProfile:
     # profiles: one NIC port needs its line rate from one x16 PCIe slot (gen3 ~12, gen4 ~24, gen5 ~48 GB/s,
     # NCCL src/graph/topo.cc), so 200 Gb/s HDR needs gen4 hosts (A100), 400 Gb/s NDR gen5 hosts (H100/H200).
     allowed_networks: tuple[str, ...] = ()
+    # Fused attention kernels, fraction of dense peak over forward + backward. `flash_attention_efficiency` is
+    # None where FlashAttention-2 does not run (before Ampere); SDPA then uses the memory-efficient kernel.
+    flash_attention_efficiency: float | None = None
+    memory_efficient_attention_efficiency: float = 0.3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_networks", tuple(self.allowed_networks))  # YAML gives a list
         for name in ("peak_tflops", "fp32_tflops", "hbm_gbps", "memory_gib", "kernel_launch_us"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPU profile {self.name}: {name} must be positive")
-        for name in ("max_gemm_efficiency", "hbm_efficiency"):
+        for name in ("max_gemm_efficiency", "hbm_efficiency", "memory_efficient_attention_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"GPU profile {self.name}: {name} must be in (0, 1]")
 

@@ -82,8 +82,10 @@ def resolve_spec(ref: str) -> ModelSpec:
                          "gpt:layers=24,hidden=2048,heads=16,seq=2048 or package.module:factory")
 
 
-def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | None = "meta") -> LoadedModel:
-    """Build `ref` (zoo name, spec string, `module:factory` or an nn.Module) on `device`."""
+def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | None = "meta",
+               attn: str | None = None) -> LoadedModel:
+    """Build `ref` (zoo name, spec string, `module:factory` or an nn.Module) on `device`; `attn` overrides the
+    attention implementation of zoo and spec models (sdpa, eager, flash)."""
     if isinstance(ref, nn.Module):
         return LoadedModel(name=type(ref).__name__, family="custom", module=ref)
     if not isinstance(ref, str) or not ref.strip():
@@ -98,6 +100,8 @@ def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | No
         if spec.family in ("vit", "mlp"):
             raise ModelSpecError(f"{spec.name} has no sequence length; drop --seq")
         spec = replace(spec, seq=seq)
+    if attn is not None:
+        spec = replace(spec, attn=attn)  # validated by ModelSpec
     return LoadedModel(name=spec.name if seq is None else f"{spec.name}@seq{seq}", family=spec.family,
                        module=build_module(spec, device=device), spec=spec)
 
@@ -146,6 +150,11 @@ def build_module(spec: ModelSpec, *, device: str | None = "meta", dtype: torch.d
     return model.to(dtype) if dtype is not torch.float32 else model
 
 
+def _hf_attn(spec: ModelSpec) -> str:
+    """Flash attention is traced through SDPA (same shapes); capture then marks the kernel causal-flash."""
+    return "sdpa" if spec.attn == "flash" else spec.attn
+
+
 def _transformers() -> Any:
     try:
         import transformers
@@ -162,7 +171,7 @@ def _gpt(spec: ModelSpec) -> nn.Module:
     tf = _transformers()
     cfg = tf.GPT2Config(n_layer=spec.layers, n_embd=spec.hidden, n_head=spec.heads, vocab_size=spec.vocab or 51200,
                         n_positions=spec.seq, n_inner=spec.ffn or None, use_cache=False,
-                        bos_token_id=0, eos_token_id=0, attn_implementation=spec.attn)
+                        bos_token_id=0, eos_token_id=0, attn_implementation=_hf_attn(spec))
     return tf.GPT2LMHeadModel(cfg)
 
 
@@ -172,7 +181,7 @@ def _llama(spec: ModelSpec) -> nn.Module:
                          num_key_value_heads=spec.num_kv_heads, intermediate_size=spec.ffn_size,
                          vocab_size=spec.vocab or 32000, max_position_embeddings=spec.seq,
                          rope_theta=spec.rope_theta, tie_word_embeddings=False, use_cache=False,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=spec.attn)
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=_hf_attn(spec))
     return tf.LlamaForCausalLM(cfg)
 
 
@@ -180,7 +189,7 @@ def _bert(spec: ModelSpec) -> nn.Module:
     tf = _transformers()
     cfg = tf.BertConfig(num_hidden_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
                         intermediate_size=spec.ffn_size, vocab_size=spec.vocab or 30522,
-                        max_position_embeddings=spec.seq, attn_implementation=spec.attn)
+                        max_position_embeddings=spec.seq, attn_implementation=_hf_attn(spec))
     return tf.BertForMaskedLM(cfg)
 
 
@@ -188,7 +197,7 @@ def _vit(spec: ModelSpec) -> nn.Module:
     tf = _transformers()
     cfg = tf.ViTConfig(num_hidden_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
                        intermediate_size=spec.ffn_size, image_size=spec.image or 224, patch_size=spec.patch or 16,
-                       num_labels=1000, attn_implementation=spec.attn)
+                       num_labels=1000, attn_implementation=_hf_attn(spec))
     return tf.ViTForImageClassification(cfg)
 
 

@@ -13,7 +13,10 @@ from autoshard.errors import ModelSpecError
 __all__ = ["ModelSpec", "parse_spec", "FAMILIES"]
 
 FAMILIES = ("gpt", "llama", "bert", "vit", "mlp")
-ATTENTION_IMPLS = ("sdpa", "eager")
+# sdpa: Hugging Face's default (SDPA with an explicit mask: PyTorch's memory-efficient kernel on GPU);
+# eager: materialized scores and a softmax kernel (Megatron-LM's fused softmax, HF "eager");
+# flash: causal FlashAttention-2 (Megatron's --use-flash-attn, llm-foundry, torchtitan).
+ATTENTION_IMPLS = ("sdpa", "eager", "flash")
 
 _REQUIRED = {
     "gpt": ("layers", "hidden", "heads", "seq"),

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
-from autoshard.cost_models.compute import ATTENTION_EFFICIENCY_VS_GEMM, FLASH_BACKWARD_FLOPS_FACTOR
+from autoshard.cost_models.compute import FLASH_BACKWARD_FLOPS_FACTOR, attention_efficiency
 from autoshard.cost_models.memory import Precision, tensor_bytes
 from autoshard.planner.opcost import score_shaped
 from autoshard.planner.strategies import PLANNED_KINDS
@@ -89,7 +89,8 @@ def time_lower_bound_s(graph: OpGraph, gpu, precision: Precision, *, tp_degree: 
     if recompute == "selective":
         gemm += t.score_fwd
     peak = gpu.peak_tflops * 1e12 * gpu.max_gemm_efficiency
-    per_sample = gemm / peak + attn / (peak * ATTENTION_EFFICIENCY_VS_GEMM) + \
+    attn_peak = gpu.peak_tflops * 1e12 * max(attention_efficiency(gpu, k) for k in ("flash", "masked"))
+    per_sample = gemm / peak + attn / attn_peak + \
         io * precision.act_bytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
     per_mb_stage = per_sample * micro_batch / (tp_degree * pp)
     return (num_microbatches + fill) * per_mb_stage

@@ -84,6 +84,7 @@ class _Stage:
     params: float = 0.0  # local parameter count (optimizer step)
     saved: float = 0.0
     transient: float = 0.0
+    recompute_peak: float = 0.0  # one block's activations, re-materialized in its backward
     boundary_bytes: float = 0.0
 
 
@@ -120,6 +121,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
                                                     optimizer_bytes=n * c.optim_bytes)
             st.saved += n * c.saved_bytes
             st.transient = max(st.transient, c.transient_bytes)
+            st.recompute_peak += c.recompute_peak_bytes  # once: one block is recomputed at a time
     for e in tg.edges:
         c = edges[(e.src, e.dst, e.index)]
         t = c.time_s + (c.fwd_s if ctx.recompute == "full" and e.in_block else 0.0)
@@ -207,7 +209,7 @@ def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) 
     groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
     out = []
     for i, st in enumerate(stages):
-        acts = st.saved * inflight_microbatches(i, pipe, m)
+        acts = st.saved * inflight_microbatches(i, pipe, m) + st.recompute_peak
         out.append(st.memory + MemoryBreakdown(activations_bytes=acts, transient_bytes=2 * st.transient,
                                                other_bytes=framework_overhead_bytes(groups)))
     return out

@@ -25,7 +25,8 @@ Constraints
       D_k = sum_o n_k(o) sum_s (dp_fwd + dp_bwd)[o,s] x[o,s]   (divided by m for layered accumulation)
     S_k >= G_k - B_k,  S_k >= G_k / units_k                            gradient-sync overlap    (`_stage_time`)
     R_k >= trans[o,s] x[o,s]  for o in stage k                         largest gathered buffer  (`_memory`)
-    sum_o n_k(o) sum_s (state + inflight_k·saved)[o,s] x[o,s] + 2 R_k + other <= cap   per stage (`_memory`)
+    sum_o sum_s (n_k(o)·(state + inflight_k·saved) + peak)[o,s] x[o,s] + 2 R_k + other <= cap   (`_memory`)
+      (peak: a recomputed block's activations, live while that one block runs backward)
     placements of a shared parameter agree across the ops that use it                        (`_tied_params`)
 
 The solver (HiGHS through highspy when installed, CBC otherwise) runs with a time limit and returns its best
@@ -216,7 +217,7 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize):
                 continue
             for i, c in enumerate(costs[op.name]):
                 v = x[StratVar(op.name, i)]
-                terms.append((v, n * (c.state_bytes + inflight * c.saved_bytes)))
+                terms.append((v, n * (c.state_bytes + inflight * c.saved_bytes) + c.recompute_peak_bytes))
                 if c.transient_bytes:
                     lp += pulp.LpConstraint(_aff([(R, 1.0), (v, -c.transient_bytes)]), pulp.LpConstraintGE, rhs=0)
         exprs.append((terms, other))

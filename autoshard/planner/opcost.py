@@ -55,6 +55,7 @@ class OpCost:
     saved_bytes: float  # activations kept for backward
     transient_bytes: float  # parameters gathered while the op runs
     comm: tuple[tuple[str, float], ...] = ()  # (collective, bytes) issued per micro-batch, for runtime checks
+    recompute_peak_bytes: float = 0.0  # activations re-materialized while its block runs backward
 
     @property
     def time_s(self) -> float:
@@ -118,8 +119,9 @@ def _compute_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     if op.kind is OpKind.ATTENTION:
         flops = op.fwd_flops * mb / split
         io = sum(tensor_bytes(t, prec, samples=mb) for t in (*op.input_meta[:3], op.output_meta)) / split
-        fwd = fused_attention_time_s(flops, io, gpu)
-        return fwd, fused_attention_time_s(flops * FLASH_BACKWARD_FLOPS_FACTOR, 2 * io, gpu)
+        kernel = op.variant or "flash"
+        fwd = fused_attention_time_s(flops, io, gpu, kernel=kernel)
+        return fwd, fused_attention_time_s(flops * FLASH_BACKWARD_FLOPS_FACTOR, 2 * io, gpu, kernel=kernel)
     if op.kind is OpKind.MATMUL and op.fwd_flops:
         out = op.output_meta.shape
         batch = max(1, math.prod(out[:-2]) * mb // split)
@@ -230,21 +232,21 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
     nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
     tp_f, tp_b = tp_f + nf, tp_b + nb
     kept, dropped = _saved_bytes(op, st, ctx)
-    recompute = 0.0
+    recompute, peak = 0.0, 0.0
     if ctx.recompute == "full" and op.layer is not None:
-        recompute, kept = fwd + tp_f, 0.0
+        recompute, peak, kept = fwd + tp_f, kept + dropped, 0.0
         if block_input is not None:
             lay = st.inputs[0] if st.inputs else st.output
             kept = tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(
                 1, _deg(lay, ctx, (BATCH, SEQ, FEAT)))
     elif ctx.recompute == "selective" and dropped > 0:
-        recompute = fwd
+        recompute, peak = fwd, dropped
     else:
         kept += dropped
     return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
                   dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
                   optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
-                  comm=tuple(comm + ncomm))
+                  comm=tuple(comm + ncomm), recompute_peak_bytes=peak)
 
 
 # -- edges -------------------------------------------------------------------------------------------------
