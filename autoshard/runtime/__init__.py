@@ -1,7 +1,29 @@
-"""The runtime: apply a plan with torch.distributed (DeviceMesh, DTensor, FSDP2) and check what it issues."""
+"""The runtime: apply a plan with torch.distributed (DeviceMesh, DTensor, FSDP2) and check what it issues.
+
+Module layout (each file says more):
+
+    entry.py            autoparallel(): cluster + plan + process group -> parallel module
+    apply.py            apply_plan(): the fixed order of parallelisms
+    mesh.py             process-group init (torchrun, timeout), MeshSpec -> DeviceMesh
+    placements.py       semantic layouts on named axes -> DTensor placements (the only place)
+    specs.py            plan + graph -> what to do around each leaf-module call
+    tensor_parallel.py  DTensor parameters and the per-module redistribution wrapper
+    norms.py            statistics-parallel LayerNorm / RMSNorm
+    split.py            OSDP operator splitting
+    data_parallel.py    FSDP2 per op (ZeRO 0 / 2 / 3) in SPMD mode
+    dtensor_ext.py      DTensor additions: CPU attention rules, function-level implicit replication,
+                        redistribution with planned gradient placements
+    parallel_module.py  the returned module: local tensors in and out, shard_inputs
+    comm_check.py       bytes per collective issued by a step
+    memory.py           parameter bytes held per rank
+"""
 
 from autoshard.runtime.apply import apply_plan
+from autoshard.runtime.comm_check import CollectiveRecorder, bytes_by_collective, measure_step_comm
+from autoshard.runtime.entry import autoparallel
 from autoshard.runtime.memory import local_param_bytes
 from autoshard.runtime.mesh import build_device_mesh, init_distributed
+from autoshard.runtime.parallel_module import ParallelModule
 
-__all__ = ["apply_plan", "build_device_mesh", "init_distributed", "local_param_bytes"]
+__all__ = ["autoparallel", "apply_plan", "build_device_mesh", "init_distributed", "local_param_bytes",
+           "measure_step_comm", "bytes_by_collective", "CollectiveRecorder", "ParallelModule"]

@@ -24,7 +24,7 @@ import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from autoshard.errors import ConfigurationError
@@ -100,6 +100,10 @@ def apply_sharded_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], 
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, dp_mesh_dims=_dims(zero),
                     reshard_after_forward=zero == 3)
     fully_shard(model, mesh=mesh, dp_mesh_dims=_dims(0), reshard_after_forward=False)
+    for module in model.modules():  # gradients are exact global sums already (parallel_module._to_local)
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
 
 
 def _to_param_placement(param: nn.Parameter) -> None:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["register_dtensor_rules", "SPMDMode", "reduce_partial_grad"]
+__all__ = ["register_dtensor_rules", "SPMDMode", "redistribute"]
 
 aten = torch.ops.aten
 _FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -121,26 +121,51 @@ def _with_aligned_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-class _ReducePartialGrad(torch.autograd.Function):
-    """Identity forward; backward turns a `Partial` gradient into a replicated one."""
+def _grad_placement(src: Placement, grad: Placement, *, data_parallel: bool) -> Placement:
+    """Placement a gradient is brought to, on one mesh dim, by the backward of `redistribute` (see there)."""
+    if data_parallel:
+        return grad if grad.is_partial() or grad == src else src
+    if src.is_partial():
+        # a plain sum may stay a sum; a masked partial (vocabulary-parallel embedding) needs the full gradient,
+        # and DTensor cannot turn Partial(sum) into a MaskPartial
+        return grad if grad == src else Replicate()
+    return src
+
+
+class _Redistribute(torch.autograd.Function):
+    """`DTensor.redistribute` with the backward described in `redistribute`."""
 
     @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+    def forward(ctx, x: DTensor, placements: tuple[Placement, ...], dp_dims: tuple[bool, ...]) -> DTensor:
+        ctx.src, ctx.dp_dims = tuple(x.placements), dp_dims
+        if tuple(x.placements) == placements:
+            return x.view_as(x)
+        return x.redistribute(x.device_mesh, placements)
 
     @staticmethod
     def backward(ctx, grad):
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
-        return grad
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        want = [_grad_placement(s, g, data_parallel=dp)
+                for s, g, dp in zip(ctx.src, grad.placements, ctx.dp_dims, strict=True)]
+        return (grad if list(grad.placements) == want else grad.redistribute(grad.device_mesh, want)), None, None
 
 
-def reduce_partial_grad(x: DTensor) -> DTensor:
-    """`x`, whose gradient reaches its producer fully reduced.
+def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    """`x` with `placements`, and a backward that puts the gradient where the plan expects it.
 
-    Needed after redistributing a vocabulary-parallel embedding's output (`MaskPartial`): DTensor's backward of
-    that redistribution cannot turn a `Partial(sum)` gradient (what flows back from ops that are linear in their
-    gradient, e.g. an RMSNorm written in Python) into a `MaskPartial` one, and the embedding's backward needs
-    the reduced gradient anyway (Megatron-LM's vocabulary-parallel embedding all-reduces in forward only).
+    The runtime calls this at every planned module boundary, even when the forward is a no-op, because the
+    backward is what fixes the gradient's placement there:
+
+    - tensor-parallel dims: the gradient is brought to the input's placement (a replicated input gets its
+      partial gradient all-reduced: Megatron-LM's `f`; a sequence shard gets it reduce-scattered). Without
+      this, partial gradients leak into whatever the producer computes in backward (a norm written in Python)
+      and DTensor reduces them wherever an op first needs it, with whatever collective it picks. A masked
+      partial (vocabulary-parallel embedding output) takes its gradient back replicated, which DTensor's own
+      redistribute cannot do from `Partial(sum)`.
+    - the dp dim: a partial gradient stays partial. DTensor would all-reduce the dp-partial gradient of an
+      activation replicated on dp (a position embedding has no batch dim) in the middle of backward, and FSDP
+      would then sum the already-reduced parameter gradient again; FSDP makes the one dp reduction.
     """
-    return _ReducePartialGrad.apply(x)
+    mesh_names = x.device_mesh.mesh_dim_names or ()
+    return _Redistribute.apply(x, tuple(placements), tuple(n == "dp" for n in mesh_names))

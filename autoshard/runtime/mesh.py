@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 # instead of hanging it (issue 7). Tests pass their own, much shorter, timeout.
 DEFAULT_TIMEOUT_S = 600.0
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+# One DeviceMesh per (device type, axes, degrees) and process group: DTensor's sharding-propagation cache
+# hands out specs holding the first mesh object of an equal value, and FSDP2's SPMD mode insists that the
+# parameters' mesh *is* the mesh it is given, so a second, equal mesh in the same process would be rejected.
+_MESHES: dict[tuple, tuple[DeviceMesh, object]] = {}
 
 
 def backend_for(device_type: str) -> str:
@@ -77,7 +81,13 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu") -> DeviceMesh
                                 f"launch {size} ranks (torchrun --nproc-per-node {size}) or re-plan for {world}")
     if not names:  # a one-rank plan with no axes at all
         names, shape = ("dp",), (1,)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    key = (device_type, names, shape)
+    cached = _MESHES.get(key)
+    if cached is not None and cached[1] is dist.group.WORLD:
+        return cached[0]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    _MESHES[key] = (mesh, dist.group.WORLD)
+    return mesh
 
 
 def tp_mesh_names(mesh: DeviceMesh) -> tuple[str, ...]:

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from autoshard.runtime.dtensor_ext import redistribute
+
 __all__ = ["statistics_parallel_forward"]
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
         count *= x.shape[d]
     total = x.sum(dim=dims, keepdim=True)
     if isinstance(total, DTensor) and any(p.is_partial() for p in total.placements):
-        total = total.redistribute(total.device_mesh, [Replicate() if p.is_partial() else p for p in total.placements])
+        total = redistribute(total, tuple(Replicate() if p.is_partial() else p for p in total.placements))
     return total / count
 
 

@@ -94,13 +94,35 @@ def _to_dtensor(x, state: RuntimeState):
     return DTensor.from_local(x, state.mesh, state.input_placements(x), run_check=False)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
 def _to_local(y, state: RuntimeState):
+    """This rank's slice of output `y`, replicated over the tensor-parallel axes.
+
+    A loss computed on the slice is one dp rank's term of the global loss, which is their *mean*: its gradient
+    is scaled by 1/dp here, so every gradient in the model is exact in DTensor's global sense and the dp
+    reduction sums (data_parallel.py sets FSDP's divide factor to 1). Averaging at the reduction instead
+    would be wrong wherever DTensor reduces a dp-partial gradient earlier itself (an embedding without a
+    batch dim, whose gradient is summed over the batch).
+    """
     if not isinstance(y, DTensor):
         return y
     target = state.output_placements(y)
     if tuple(y.placements) != tuple(target):
         y = y.redistribute(y.device_mesh, target)
-    return y.to_local()
+    local = y.to_local()
+    batch_sharded = state.dp_degree > 1 and Shard(0) in [p for n, p in zip(state.mesh.mesh_dim_names, target,
+                                                                           strict=True) if n == "dp"]
+    return _ScaleGrad.apply(local, 1.0 / state.dp_degree) if batch_sharded and local.requires_grad else local
 
 
 def make_parallel(model: nn.Module, state: RuntimeState) -> nn.Module:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["SplitLinear", "split_linear"]
 
@@ -31,6 +32,19 @@ class _Slice(nn.Module):
         return F.linear(x, self.weight) if self.in_dim == 1 else torch.matmul(x, self.weight)
 
 
+def _chunks(weight: torch.Tensor, num_splits: int, dim: int) -> list[torch.Tensor]:
+    """`num_splits` copies of equal slices of `weight` along `dim` (a DTensor stays one on the same mesh).
+
+    A DTensor is sliced through its local tensor: DTensor ops may hand back a spec holding an equal but
+    different mesh object from their cache, which FSDP2's SPMD mode rejects."""
+    if not isinstance(weight, DTensor):
+        return [w.clone() for w in weight.chunk(num_splits, dim=dim)]
+    if any(isinstance(p, Shard) and p.dim == dim for p in weight.placements):
+        raise ValueError("operator splitting along a tensor-parallel-sharded input dim is not supported")
+    return [DTensor.from_local(w.clone(), weight.device_mesh, weight.placements, run_check=False)
+            for w in weight.to_local().chunk(num_splits, dim=dim)]
+
+
 class SplitLinear(nn.Module):
     """A Linear (or HF Conv1D) computed in `num_splits` input-dim slices; `bias` stays whole."""
 
@@ -42,7 +56,7 @@ class SplitLinear(nn.Module):
             raise ValueError(f"cannot split {type(linear).__name__} with {weight.shape[self.in_dim]} input "
                              f"features into {num_splits} equal slices; pick a split that divides it")
         self.num_splits = num_splits
-        self.slices = nn.ModuleList(_Slice(w.clone(), self.in_dim) for w in weight.chunk(num_splits, dim=self.in_dim))
+        self.slices = nn.ModuleList(_Slice(w, self.in_dim) for w in _chunks(weight, num_splits, self.in_dim))
         self.bias = linear.bias
         self._register_state_dict_hook(_merge_slices)
         self._register_load_state_dict_pre_hook(_split_weight, with_module=True)

@@ -23,29 +23,33 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import PlanFileError
 from autoshard.planner.layouts import Layout
-from autoshard.runtime.dtensor_ext import SPMDMode, reduce_partial_grad
+from autoshard.runtime.dtensor_ext import SPMDMode, redistribute
 from autoshard.runtime.placements import activation_placements, param_placements
 from autoshard.runtime.specs import ModuleSpec, param_owners
 
 __all__ = ["distribute_parameters", "ModuleRuntime", "install_module_runtimes", "redistribute_activation"]
 
 
-def redistribute_activation(x, layout: Layout | None, mesh_names) -> object:
-    """DTensor `x` laid out as `layout` (no-op for non-DTensors, a None layout, or the layout it has)."""
-    if layout is None or not isinstance(x, DTensor):
+def redistribute_activation(x, layout: Layout | None, mesh_names, *, output: bool = False) -> object:
+    """DTensor `x` laid out as `layout` (None: as it is). Non-DTensors pass through.
+
+    A module's *output* always goes through `dtensor_ext.redistribute`, even as a no-op, for the gradient
+    placement its backward enforces: the gradients of all consumers are summed by autograd before that node,
+    so a replicated output consumed by three column-parallel Linears (q, k, v) gets one all-reduce in backward,
+    not three. An *input* only goes through it when the layout changes.
+    """
+    if not isinstance(x, DTensor):
         return x
-    target = activation_placements(layout, mesh_names, x)
-    if tuple(x.placements) == target:
+    target = tuple(x.placements) if layout is None else activation_placements(layout, mesh_names, x)
+    if not output and target == tuple(x.placements):
         return x
-    masked = any(p.is_partial() and type(p) is not Partial for p in x.placements)  # vocab-parallel embedding
-    y = x.redistribute(x.device_mesh, target)
-    return reduce_partial_grad(y) if masked else y
+    return redistribute(x, target)
 
 
 def _storage_of(specs: dict[str, ModuleSpec], model: nn.Module, names) -> dict[int, tuple[tuple, str]]:
@@ -119,14 +123,14 @@ class ModuleRuntime:
                 local_flat = list(flat)
                 for i, x, lay in zip(act_pos, tensors, self.spec.inputs, strict=False):
                     local_flat[i] = redistribute_activation(x, lay, self.names)
-                weights = {n: w.redistribute(w.device_mesh, self.compute_placements[n])
+                weights = {n: redistribute(w, self.compute_placements[n])
                            for n, w in zip(weight_names, tensors[len(act_pos):], strict=True)}
                 a, kw = pytree.tree_unflatten(local_flat, tree)
                 with _swapped(self.module, weights):
                     return self.compute(*a, **kw)
 
         out = checkpoint(run, *tensors, use_reentrant=False) if self.spec.regather else run(*tensors)
-        return pytree.tree_map(lambda y: redistribute_activation(y, self.spec.output, self.names), out)
+        return pytree.tree_map(lambda y: redistribute_activation(y, self.spec.output, self.names, output=True), out)
 
 
 def install_module_runtimes(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> dict[str, ModuleRuntime]:

@@ -1,0 +1,80 @@
+"""Every strategy family, applied by the runtime on real gloo ranks, equals the single-process run.
+
+Cases sharing a world size run in one spawned world (rank start-up and process-group set-up are paid once);
+each case still has its own test, which reads the world's results. Per case and rank: the loss and every
+gradient after one step, and every parameter after three AdamW steps, against a single-process copy of the
+same model on the same global batch (fp32, atol 1e-5).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from dist_checks import compare_cases
+from dist_harness import run_world
+from dist_models import build, example_batch
+from dist_plans import make_plan
+
+from autoshard.planner.layouts import MeshSpec
+
+pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+ATOL = 1e-5
+BATCH = 4
+
+# id: (world size, model, family, mesh degrees, plan options)
+_MIXED_GPT2 = {"zero": 3, "zero_per_op": {"transformer.h.0.ln_1": 0, "transformer.h.0.attn.c_attn": 2,
+                                          "transformer.h.1.mlp.c_fc": 0},
+               "split": {"transformer.h.0.mlp.c_fc": 2, "transformer.h.1.mlp.c_proj": 4}}
+_MIXED_LLAMA = {"zero": 3, "zero_per_op": {"model.layers.0.input_layernorm": 0,
+                                           "model.layers.0.self_attn.q_proj": 2, "model.layers.1.mlp.up_proj": 0},
+                "split": {"model.layers.0.mlp.down_proj": 2, "model.layers.1.self_attn.o_proj": 4}}
+CASES: dict[str, tuple[int, str, str, dict, dict]] = {}
+for _m, _mixed in (("gpt2", _MIXED_GPT2), ("llama", _MIXED_LLAMA)):
+    CASES |= {
+        f"{_m}-dp": (2, _m, "replicate", {"dp": 2}, {}),
+        f"{_m}-zero3": (4, _m, "replicate", {"dp": 4}, {"zero": 3}),
+        f"{_m}-zero2": (4, _m, "replicate", {"dp": 4}, {"zero": 2}),
+        f"{_m}-mixed-zero-split": (2, _m, "replicate", {"dp": 2}, _mixed),
+        f"{_m}-1d": (2, _m, "megatron", {"tp": 2}, {}),
+        f"{_m}-1d-sp": (2, _m, "megatron-sp", {"tp": 2}, {}),
+        f"{_m}-2d": (4, _m, "2d", {"tp_r": 2, "tp_c": 2}, {}),
+        f"{_m}-dp-1d": (4, _m, "megatron", {"dp": 2, "tp": 2}, {"zero": 3}),
+        f"{_m}-dp-2d": (8, _m, "2d", {"dp": 2, "tp_r": 2, "tp_c": 2}, {}),
+    }
+CASES["mlp-3d"] = (8, "mlp", "3d", {"tp_x": 2, "tp_y": 2, "tp_z": 2}, {})
+
+
+@functools.cache
+def _graph(model: str):
+    from autoshard.capture import capture
+
+    x, _ = example_batch(model, 2)
+    return capture(build(model), (x,))
+
+
+@functools.cache
+def _world_results(world: int) -> dict[str, dict]:
+    cases = []
+    for case_id, (w, model, family, degrees, options) in CASES.items():
+        if w == world:
+            plan = make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options)
+            cases.append({"id": case_id, "model": model, "plan": plan, "graph": _graph(model), "batch": BATCH})
+    per_rank = run_world(compare_cases, world, cases, timeout_s=480)
+    return {r["case"]: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_loss_gradients_and_adamw_steps_match_single_process(case_id, record_property):
+    results = _world_results(CASES[case_id][0])[case_id]
+    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
+    for k, v in worst.items():
+        record_property(k, v)
+    print(f"{case_id}: loss {worst['loss_diff']:.1e} grad {worst['grad_diff']:.1e} "
+          f"(at {results[0]['grad_worst']}) params after 3 AdamW steps {worst['param_diff']:.1e} "
+          f"param bytes/rank {[r['param_bytes'] for r in results]}")
+    assert worst["loss_diff"] <= ATOL
+    assert worst["grad_diff"] <= ATOL, results[0]["grad_worst"]
+    assert worst["param_diff"] <= ATOL, results[0]["param_worst"]
