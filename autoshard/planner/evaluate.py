@@ -32,6 +32,7 @@ from autoshard.planner.strategies import same_strategy
 from autoshard.planner.template import planned_edges, stage_of, template_for
 
 __all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches",
+           "pipeline_fill",
            "stage_units"]
 
 
@@ -58,6 +59,16 @@ def block_inputs(graph: OpGraph) -> dict[str, TensorMeta]:
             if first.input_meta:
                 out[first.name] = first.input_meta[0]
     return out
+
+
+def pipeline_fill(pipe: PipelineSpec) -> float:
+    """Micro-batch slots the schedule leaves idle: p - 1 for GPipe and 1F1B (a rank's chunks run back to back),
+    (p - 1)/v for interleaved 1F1B and looped BFS (Narayanan et al. 2021 §2.2.2; Lamy-Poirier 2021 §4)."""
+    if pipe.degree == 1:
+        return 0.0
+    if pipe.schedule in ("interleaved-1f1b", "looped-bfs"):
+        return (pipe.degree - 1) / pipe.virtual_stages
+    return float(pipe.degree - 1)
 
 
 def inflight_microbatches(stage: int, pipe: PipelineSpec, m: int) -> float:
@@ -194,7 +205,7 @@ def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: in
         steady = m * t
         bubble = 0.0
     else:
-        fill = (p - 1) / v if pipe.schedule in ("interleaved-1f1b", "looped-bfs") or v > 1 else (p - 1)
+        fill = pipeline_fill(pipe)
         steady, bubble = m * t, fill * t
     # per-iteration gradient reduction overlaps the last backward, except its last bucket
     sync = max(max(st.dp_iter / st.units, st.dp_iter - stages[i].bwd) for i, st in enumerate(stages))

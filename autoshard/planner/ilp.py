@@ -45,7 +45,13 @@ import pulp
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
 from autoshard.planner.context import PlanContext
-from autoshard.planner.evaluate import block_inputs, inflight_microbatches, sink_layout, stage_units
+from autoshard.planner.evaluate import (
+    block_inputs,
+    inflight_microbatches,
+    pipeline_fill,
+    sink_layout,
+    stage_units,
+)
 from autoshard.planner.opcost import OpCost, edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.physical import physical_key
 from autoshard.planner.plan import OpStrategy, PipelineSpec
@@ -277,7 +283,7 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
             lp += pulp.LpConstraint(_aff([(M, 1.0)] + [(v, -c) for v, c in terms]), pulp.LpConstraintGE, rhs=const)
         lp.setObjective(_aff([(M, 1.0)]))
     else:
-        fill = _fill(pipe)
+        fill = pipeline_fill(pipe)
         S = pulp.LpVariable("S", lowBound=0)
         O = pulp.LpVariable("O", lowBound=0)
         for s_k in syncs:
@@ -286,14 +292,6 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
             lp += pulp.LpConstraint(_aff([(O, 1.0)] + [(v, -c) for v, c in o]), pulp.LpConstraintGE, rhs=0)
         lp.setObjective(_aff([(T, ctx.num_microbatches + fill), (S, 1.0), (O, 1.0)]))
     return Problem(graph=graph, lp=lp, template=tg, strategies=strategies, costs=costs, x=x, memory_exprs=mem, time_var=T)
-
-
-def _fill(pipe: PipelineSpec) -> float:
-    if pipe.degree == 1:
-        return 0.0
-    if pipe.virtual_stages > 1 or pipe.schedule in ("interleaved-1f1b", "looped-bfs"):
-        return (pipe.degree - 1) / pipe.virtual_stages
-    return float(pipe.degree - 1)
 
 
 def _solver(time_limit_s: float):

@@ -88,8 +88,8 @@ def _axes(lay: Layout, placements: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def score_shaped(meta: TensorMeta, seq: int | None) -> bool:
-    """An attention-score tensor (..., s, s): what selective recompute drops (Korthikanti et al. 2022)."""
-    return seq is not None and len(meta.shape) >= 2 and meta.shape[-1] == seq and meta.shape[-2] == seq
+    """An attention-score tensor (B, heads, s, s): what selective recompute drops (Korthikanti et al. 2022)."""
+    return seq is not None and len(meta.shape) >= 4 and meta.shape[-1] == seq and meta.shape[-2] == seq
 
 
 def grad_partial_axes(strategy: OpStrategy) -> frozenset[str]:

@@ -19,7 +19,7 @@ from autoshard.capture.ir import OpGraph
 from autoshard.errors import InfeasiblePlanError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.evaluate import Evaluation, evaluate, inflight_microbatches
+from autoshard.planner.evaluate import Evaluation, evaluate, inflight_microbatches, pipeline_fill
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.plan import OpStrategy, PipelineSpec
@@ -117,12 +117,6 @@ def _pipelines(graph: OpGraph, pp: int, space: frozenset[str], m: int) -> list[P
     return specs
 
 
-def _fill(pipe: PipelineSpec) -> float:
-    if pipe.degree == 1:
-        return 0.0
-    return (pipe.degree - 1) / pipe.virtual_stages if pipe.virtual_stages > 1 else float(pipe.degree - 1)
-
-
 def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str],
                          cap_bytes: float) -> tuple[list[Candidate], int]:
     """(candidates that may fit, number pruned by the memory bound), sorted by time bound."""
@@ -153,7 +147,7 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                             pruned += 1
                             continue
                         lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tdeg, pp=pp, micro_batch=b,
-                                                num_microbatches=m, fill=_fill(pipe), recompute=rc)
+                                                num_microbatches=m, fill=pipeline_fill(pipe), recompute=rc)
                         found.append(Candidate(mesh, b, m, rc, pipe, lb, mem))
     found.sort(key=lambda c: (c.time_lb_s, c.mesh.size, str(c.mesh), c.micro_batch, c.recompute,
                               c.pipe.schedule, c.pipe.virtual_stages))

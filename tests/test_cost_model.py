@@ -1,0 +1,196 @@
+"""The cost model against the closed forms of REFERENCES.md and against measurements."""
+
+import math
+
+import pytest
+
+from autoshard.capture import capture_model
+from autoshard.cost_models.comm import GroupPlacement, bus_factor, collective_time_s, group_placement
+from autoshard.cost_models.compute import gemm_time_s
+from autoshard.cost_models.memory import BF16_MIXED, model_state_bytes
+from autoshard.hardware_profiles import ClusterSpec, load_gpu
+from autoshard.models import load_model
+from autoshard.planner.context import PlanContext
+from autoshard.planner.estimate import HandConfig, estimate
+from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, Layout, MeshSpec, layout
+from autoshard.planner.opcost import edge_cost, op_cost
+from autoshard.planner.plan import OpStrategy, ParamPlacement
+
+DGX = ClusterSpec.parse("1x8xA100-80GB")
+TWO_NODES = ClusterSpec.parse("2x8xA100-80GB")
+
+
+# -- collectives (REFERENCES.md §3) -----------------------------------------------------------------------
+@pytest.mark.parametrize("collective,factor", [("all_reduce", lambda n: 2 * (n - 1) / n),
+                                               ("all_gather", lambda n: (n - 1) / n),
+                                               ("reduce_scatter", lambda n: (n - 1) / n),
+                                               ("all_to_all", lambda n: (n - 1) / n)])
+def test_collectives_inside_a_node_follow_the_nccl_tests_bus_bandwidth_formula(collective, factor):
+    size = 1 << 30
+    for n in (2, 4, 8):
+        steps = 2 * (n - 1) if collective == "all_reduce" else n - 1
+        want = steps * DGX.intra.latency_us * 1e-6 + size * factor(n) / (DGX.intra.busbw_gbps[collective] * 1e9)
+        got = collective_time_s(collective, size, GroupPlacement(size=n, ranks_per_node=n), DGX)
+        assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_all_reduce_across_nodes_is_hierarchical():
+    """16 ranks on 2 nodes: reduce-scatter and all-gather inside each node, all-reduce of 1/8 across nodes with
+    each GPU getting 1/8 of the node's network bandwidth."""
+    size, k = 1 << 30, 8
+    intra, inter = TWO_NODES.intra, TWO_NODES.inter
+    local = 2 * ((k - 1) * intra.latency_us * 1e-6 + size * (k - 1) / k / (intra.busbw_gbps["reduce_scatter"] * 1e9))
+    per_gpu = inter.busbw_gbps["all_reduce"] / 8 * 1e9
+    cross = 2 * inter.latency_us * 1e-6 + (size / k) * 2 * (2 - 1) / 2 / per_gpu
+    got = collective_time_s("all_reduce", size, GroupPlacement(size=16, ranks_per_node=8), TWO_NODES)
+    assert got == pytest.approx(local + cross, rel=1e-9)
+
+
+def test_collective_time_grows_with_message_and_group_size():
+    for coll in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        sizes = [collective_time_s(coll, s, GroupPlacement(size=8, ranks_per_node=8), DGX) for s in (1e3, 1e6, 1e9)]
+        assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+        groups = [collective_time_s(coll, 1e9, GroupPlacement(size=n, ranks_per_node=n), DGX) for n in (2, 4, 8)]
+        assert groups == sorted(groups)
+    inside = collective_time_s("all_reduce", 1e9, GroupPlacement(size=8, ranks_per_node=8), TWO_NODES)
+    strided = collective_time_s("all_reduce", 1e9, GroupPlacement(size=2, ranks_per_node=1), TWO_NODES)
+    assert strided > inside  # one byte across InfiniBand costs more than eight over NVSwitch
+
+
+def test_unknown_collective_is_an_error_not_a_guess():
+    with pytest.raises(ValueError, match="unknown collective"):
+        bus_factor("all_broadcast", 8)
+
+
+def test_group_placement_of_strided_and_contiguous_axes():
+    mesh = MeshSpec.of(dp=4, tp=8)
+    assert group_placement([(mesh.stride("tp"), 8)], 8) == GroupPlacement(size=8, ranks_per_node=8)
+    assert group_placement([(mesh.stride("dp"), 4)], 8) == GroupPlacement(size=4, ranks_per_node=1)
+
+
+# -- memory (REFERENCES.md §4) ---------------------------------------------------------------------------
+@pytest.mark.parametrize("zero,gigabytes", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_model_states_match_the_zero_paper_for_7_5b_on_64_ranks(zero, gigabytes):
+    p, g, o = model_state_bytes(7.5e9, BF16_MIXED, zero=zero, dp=64)
+    assert (p + g + o) / 1e9 == pytest.approx(gigabytes, abs=0.06)
+
+
+def _layer_saved_bytes(*, tp, sp, recompute, s=64, h=64, a=4, b=2):
+    """Activation bytes one GPT layer keeps under Megatron's layout (materialized attention)."""
+    graph = capture_model(load_model(f"gpt:layers=3,hidden={h},heads={a},seq={s},vocab=128,attn=eager"))
+    cluster = ClusterSpec.parse(f"1x{tp}xA100-80GB")
+    _, ev = estimate(graph, cluster, HandConfig(tp=tp, micro_batch=b, global_batch=b, recompute=recompute,
+                                                sequence_parallel=sp))
+    return sum(ev.op_costs[n].saved_bytes for n in graph.blocks[0].op_names[1])
+
+
+@pytest.mark.parametrize("tp,sp,recompute,formula", [
+    (1, False, "none", lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h)),
+    (4, False, "none", lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+    (4, True, "none", lambda s, b, h, a, t: s * b * h * (34 / t + 5 * a * s / (h * t))),
+    (4, False, "selective", lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
+    (4, True, "selective", lambda s, b, h, a, t: 34 * s * b * h / t),
+    (4, False, "full", lambda s, b, h, a, t: 2 * s * b * h),
+])
+def test_layer_activations_match_korthikanti_formulas(tp, sp, recompute, formula):
+    s, h, a, b = 32, 64, 4, 2
+    assert _layer_saved_bytes(tp=tp, sp=sp, recompute=recompute, s=s, h=h, a=a, b=b) == pytest.approx(
+        formula(s, b, h, a, tp), rel=1e-9)
+
+
+# -- compute ---------------------------------------------------------------------------------------------
+# Measured H100 bf16 GEMM throughput, TFLOP/s, from XLA's matmul_interpolator_data.h
+# (tensorflow/tensorflow @ 372d578b, third_party/xla/xla/service/gpu/model/): (batch, m, n, k) -> TFLOP/s.
+H100_MEASURED = {(1, 4096, 4096, 4096): 783.3, (1, 2048, 2048, 2048): 632.0, (1, 1024, 1024, 1024): 236.3,
+                 (1, 4096, 4096, 1024): 677.4, (1, 4096, 1024, 4096): 738.5, (4, 4096, 4096, 2048): 764.6,
+                 (1, 4096, 4096, 2048): 738.7, (2, 2048, 4096, 1024): 678.7, (4, 1024, 2048, 2048): 712.7}
+
+
+def test_gemm_model_matches_measured_h100_throughput_within_10_percent():
+    gpu = load_gpu("H100-80GB")
+    ratios = []
+    for (b, m, n, k), tflops in H100_MEASURED.items():
+        predicted = 2 * b * m * n * k / gemm_time_s(m, n, k, gpu, batch=b) / 1e12
+        ratios.append(predicted / tflops)
+        assert predicted == pytest.approx(tflops, rel=0.10), (b, m, n, k)
+    assert math.exp(sum(math.log(r) for r in ratios) / len(ratios)) == pytest.approx(1.0, abs=0.05)
+
+
+# -- communication volume of the tensor-parallel schemes (REFERENCES.md §5) ---------------------------------
+def _linear(n_tokens, h_in, h_out):
+    from autoshard.capture.ir import Op, OpKind, ParamMeta, TensorMeta
+
+    x = TensorMeta(shape=(1, n_tokens, h_in), dtype="bfloat16", batch_dims=(0,))
+    return Op(name="lin", kind=OpKind.LINEAR, module_path="lin", module_type="Linear", layer=None, inputs=("x",),
+              input_meta=(x,), output_meta=TensorMeta(shape=(1, n_tokens, h_out), dtype="bfloat16", batch_dims=(0,)),
+              params=(ParamMeta(name="w", shape=(h_out, h_in), dtype="bfloat16"),), fwd_flops=2 * n_tokens * h_in * h_out,
+              bwd_flops=4 * n_tokens * h_in * h_out, saved=(x,), gemm=(n_tokens, h_out, h_in))
+
+
+def _elements_moved(records, mesh_degree_of) -> float:
+    """Elements a device sends for (collective, bytes) records, ring algorithms, 2-byte elements."""
+    total = 0.0
+    for coll, nbytes, n in records:
+        total += nbytes / 2 * bus_factor(coll, n)
+    return total
+
+
+LAYER = [(1, 3), (1, 1), (1, 4), (4, 1)]  # (h_in, h_out) of qkv, proj, fc1, fc2 in units of h
+
+
+def test_2d_layer_communication_matches_optimus_volume():
+    """2D on q x q: 3·(N·h_in + h_in·h_out)/q per linear, x (q-1)/q for ring collectives; per layer
+    (21Nh + 36h²)/√p."""
+    q, n_tok, h = 4, 256, 64
+    mesh = MeshSpec.of(tp_r=q, tp_c=q)
+    ctx = PlanContext(mesh=mesh, cluster=ClusterSpec.parse("2x8xA100-80GB"), micro_batch=q)
+    moved = 0.0
+    for a, b in LAYER:
+        op = _linear(n_tok, a * h, b * h)
+        st = OpStrategy(name="2d", inputs=(layout(tp_r=BATCH),), output=layout(tp_r=BATCH, tp_c=FEAT),
+                        params=(ParamPlacement(name="w", compute=layout(tp_c=OUT), storage=layout(tp_r=IN, tp_c=OUT)),),
+                        save_sharded_input=True)
+        c = op_cost(op, st, ctx)
+        recs = [(k, v, q) for k, v in c.comm]
+        e = edge_cost(op.input_meta[0], layout(tp_r=BATCH, tp_c=FEAT), st.inputs[0], frozenset({"tp_c"}), ctx)
+        recs += [(k, v, q) for k, v in e.comm] + [("all_gather", e.comm[0][1], q)]  # re-gathered in backward
+        moved += _elements_moved(recs, q)
+    nq = q * n_tok  # N tokens in the micro-batch, q samples of n_tok
+    want = 3 * (q - 1) / q * (7 * nq * h + 12 * h * h) / q
+    assert moved == pytest.approx(want, rel=1e-9)
+
+
+def test_1d_layer_communication_is_two_all_reduces_per_pair():
+    """Megatron: per column/row pair, one all-reduce of N·h forward and one backward: 8Nh(p-1)/p per layer."""
+    p, n_tok, h = 8, 256, 64
+    ctx = PlanContext(mesh=MeshSpec.of(tp=p), cluster=DGX, micro_batch=1)
+    meta = _linear(n_tok, h, h).output_meta
+    fwd = edge_cost(meta, layout(tp=PARTIAL), Layout(), frozenset(), ctx)  # row output -> residual stream
+    bwd = edge_cost(meta, Layout(), Layout(), frozenset({"tp"}), ctx)  # residual stream -> column input
+    recs = [(k, v, p) for k, v in fwd.comm + bwd.comm]
+    per_pair = _elements_moved(recs, p)
+    assert 2 * per_pair == pytest.approx(8 * n_tok * h * (p - 1) / p, rel=1e-9)
+
+
+def test_3d_layer_communication_matches_bian_volume():
+    """3D on q³: 2(q-1)/q³·(N·h_in + h_in·h_out + N·h_out) per linear (gathered X and W kept for backward)."""
+    q, n_tok, h = 2, 256, 64
+    mesh = MeshSpec.of(tp_x=q, tp_y=q, tp_z=q)
+    ctx = PlanContext(mesh=mesh, cluster=ClusterSpec.parse("1x8xA100-80GB"), micro_batch=q * q)
+    moved = 0.0
+    nq = q * q * n_tok
+    for a, b in LAYER:
+        op = _linear(n_tok, a * h, b * h)
+        st = OpStrategy(name="3d-yz", inputs=(layout(tp_x=BATCH, tp_z=FEAT),),
+                        output=layout(tp_x=BATCH, tp_y=FEAT, tp_z=PARTIAL),
+                        params=(ParamPlacement(name="w", compute=layout(tp_y=OUT, tp_z=IN),
+                                               storage=layout(tp_x=OUT, tp_y=OUT, tp_z=IN)),))
+        c = op_cost(op, st, ctx)
+        recs = [(k, v, q) for k, v in c.comm]
+        e_in = edge_cost(op.input_meta[0], layout(tp_x=BATCH, tp_y=BATCH, tp_z=FEAT), st.inputs[0],
+                         frozenset({"tp_y"}), ctx)
+        e_out = edge_cost(op.output_meta, st.output, layout(tp_x=BATCH, tp_y=FEAT, tp_z=BATCH), frozenset(), ctx)
+        recs += [(k, v, q) for k, v in e_in.comm + e_out.comm]
+        moved += _elements_moved(recs, q)
+    want = 2 * (q - 1) / q ** 3 * (7 * nq * h + 12 * h * h + 9 * nq * h)
+    assert moved == pytest.approx(want, rel=1e-9)

@@ -1,0 +1,67 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoshard.api import estimate_config
+from autoshard.errors import ConfigurationError
+
+KEYS = {"iteration_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "memory_gib", "breakdown_s"}
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "autoshard.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_estimate_json_has_the_documented_keys():
+    out = run("estimate", "gpt:layers=4,hidden=256,heads=8,seq=512,vocab=1024", "--cluster", "1x8xA100-80GB",
+              "--tp", "2", "--dp", "4", "--micro-batch", "2", "--global-batch", "64", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert KEYS <= data.keys()
+    assert set(data["memory_gib"]) == {"params", "grads", "optimizer", "activations", "transient", "other", "total"}
+    assert {"compute", "exposed_comm", "bubble"} <= data["breakdown_s"].keys()
+    assert data["tokens_per_s"] == pytest.approx(64 * 512 / data["iteration_time_s"])
+
+
+def test_degrees_that_do_not_multiply_to_the_gpu_count_are_one_line_errors():
+    out = run("estimate", "gpt2", "--cluster", "1x8xA100-80GB", "--global-batch", "8", "--tp", "3", "--dp", "1")
+    assert out.returncode == 2 and "tp x pp x dp = 3 x 1 x 1 = 3" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_tp_that_does_not_divide_the_heads_is_a_one_line_error():
+    out = run("estimate", "gpt:layers=4,hidden=48,heads=6,seq=64,vocab=128", "--cluster", "1x8xA100-80GB",
+              "--tp", "8", "--global-batch", "8")
+    assert out.returncode == 2 and "does not divide the 6 attention heads" in out.stderr
+    assert out.stderr.count("\n") == 1
+
+
+def test_configuration_that_does_not_fit_reports_the_memory_it_needs():
+    with pytest.raises(ConfigurationError, match=r"needs [0-9.]+ GiB per GPU but A100-80GB has 80 GiB"):
+        estimate_config("gpt3-175b", "1x8xA100-80GB", tp=8, global_batch=8)
+
+
+def test_indivisible_global_batch_is_rejected():
+    with pytest.raises(ConfigurationError, match="not a multiple of dp x micro-batch"):
+        estimate_config("gpt2", "1x8xA100-80GB", dp=8, micro_batch=2, global_batch=20)
+
+
+def test_interleaved_and_layered_schedules_beat_1f1b_for_gpt3_on_64_a100():
+    """Issue 6: GPT-3 175B, TP 8, PP 8, global batch 16, three chunks per rank."""
+    def t(schedule):
+        plan, _ = estimate_config("gpt3-175b", "8x8xA100-80GB", tp=8, pp=8, dp=1, global_batch=16,
+                                  virtual_stages=3, schedule=schedule, recompute="full", check_memory=False)
+        return plan.prediction.iteration_time_s
+
+    one = t("1f1b")
+    assert t("interleaved-1f1b") < one and t("looped-bfs") < one and t("gpipe") == pytest.approx(one)
+
+
+def test_attention_auto_uses_materialized_scores_when_they_fit_and_flash_otherwise():
+    small, _ = estimate_config("gpt:layers=4,hidden=256,heads=8,seq=512,vocab=1024", "1x8xA100-80GB", dp=8,
+                               global_batch=8)
+    assert any(p.kind == "softmax" for p in small.ops)
+    big, _ = estimate_config("gpt:layers=4,hidden=4096,heads=32,seq=8192,vocab=1024", "1x8xA100-80GB", dp=8,
+                             micro_batch=4, global_batch=32)
+    assert any(p.kind == "attention" for p in big.ops) and not any(p.kind == "softmax" for p in big.ops)
