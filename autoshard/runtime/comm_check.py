@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -80,8 +81,8 @@ def _funcol_group_size(func, args) -> int:
 
 def _c10d_call(func, args) -> CollectiveCall:
     kind, how = _C10D[func]
-    group = next(a for a in args if isinstance(a, torch.ScriptObject))
-    size = group.size()
+    boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
+    size = dist.ProcessGroup.unbox(boxed).size()  # the dispatcher hands over the C++ group boxed
     nbytes = _nbytes(args[0]) if how == "out0" else _nbytes(args[1])  # outputs first, then inputs
     return CollectiveCall(kind=kind, bytes=nbytes, group_size=size, op=str(func))
 

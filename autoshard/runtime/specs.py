@@ -107,7 +107,12 @@ def module_specs(plan: Plan, graph: OpGraph, model: nn.Module) -> dict[str, Modu
     if plan.fingerprint and plan.fingerprint != graph.fingerprint():
         raise PlanFileError(f"the plan was made for a model with fingerprint {plan.fingerprint}, this model's "
                             f"graph has {graph.fingerprint()}; re-plan for this model")
-    leaves = {n for n, m in model.named_modules() if n and next(m.children(), None) is None}
+    modules = dict(model.named_modules())
+    missing = sorted({p.module for p in plan.ops if p.module not in modules})
+    if missing:
+        raise PlanFileError(f"the plan names modules the model does not have ({', '.join(missing[:3])}); it was "
+                            "made for another model: re-plan for this one")
+    leaves = {n for n, m in modules.items() if n and next(m.children(), None) is None}
     by_op = {p.op: p for p in plan.ops}
     module_ops = {p.op: p for p in plan.ops if _is_module_call(p, leaves)}
     consumers = graph.consumers()

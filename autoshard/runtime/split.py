@@ -69,11 +69,21 @@ class SplitLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def _merge_slices(module: SplitLinear, state_dict: dict, prefix: str, local_metadata) -> dict:
+def _merge_slices(module: SplitLinear, state_dict: dict, prefix: str, local_metadata) -> None:
+    """`prefix.slices.s.weight` -> `prefix.weight`, placed where a Linear's weight is (before its bias)."""
     keys = [f"{prefix}slices.{i}.weight" for i in range(module.num_splits)]
-    if all(k in state_dict for k in keys):
-        state_dict[f"{prefix}weight"] = torch.cat([state_dict.pop(k) for k in keys], dim=module.in_dim)
-    return state_dict
+    if not all(k in state_dict for k in keys):
+        return
+    weight = torch.cat([state_dict[k] for k in keys], dim=module.in_dim)
+    items, placed = [], False
+    for k, v in state_dict.items():
+        if k.startswith(prefix) and not placed:
+            items.append((f"{prefix}weight", weight))
+            placed = True
+        if k not in keys:
+            items.append((k, v))
+    state_dict.clear()
+    state_dict.update(items)
 
 
 def _split_weight(module: SplitLinear, state_dict: dict, prefix: str, *args) -> None:

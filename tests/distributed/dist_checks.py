@@ -17,7 +17,7 @@ from dist_models import build, example_batch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autoshard.runtime import apply_plan, build_device_mesh, local_param_bytes
+from autoshard.runtime import apply_plan, autoparallel, build_device_mesh, local_param_bytes
 from autoshard.runtime.split import SplitLinear
 
 __all__ = ["compare_cases", "loss_of", "full_named"]
@@ -77,17 +77,28 @@ def _dp_mean(x: torch.Tensor, mesh) -> float:
     return t.item() / mesh.size(names.index("dp"))
 
 
+def _parallelize(model: nn.Module, case: dict, x: torch.Tensor) -> nn.Module:
+    """Through `apply_plan` with the parent's graph, or (case["plan_file"]) through the public entry point,
+    which loads the plan file and captures the graph itself."""
+    if "plan_file" in case:
+        world = dist.get_world_size()
+        return autoparallel(model, f"1x{world}xcpu", example_inputs=(x[:1],), global_batch=case["batch"],
+                            plan=case["plan_file"])
+    return apply_plan(model, case["plan"], graph=case["graph"], mesh=build_device_mesh(case["plan"].mesh))
+
+
 def _one_case(case: dict) -> dict:
-    name, plan, graph, batch = case["model"], case["plan"], case["graph"], case["batch"]
+    name, batch = case["model"], case["batch"]
     model = build(name)
     ref = copy.deepcopy(model)
     names = [n for n, _ in ref.named_parameters()]
-    mesh = build_device_mesh(plan.mesh)
-    pmodel = apply_plan(model, plan, graph=graph, mesh=mesh)
     x, y = example_batch(name, batch)
+    pmodel = _parallelize(model, case, x)
+    mesh = pmodel.mesh
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
-    result: dict = {"case": case["id"], "param_bytes": local_param_bytes(pmodel)}
+    result: dict = {"case": case["id"], "param_bytes": local_param_bytes(pmodel),
+                    "expected_param_bytes": case["expected_param_bytes"]}
     for step in range(STEPS):
         ref_loss = loss_of(name, ref(x), y)
         ref_loss.backward()

@@ -22,7 +22,7 @@ from autoshard.capture.ir import Op, OpGraph, OpKind
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, SEQ, Layout, MeshSpec, layout
 from autoshard.planner.plan import OpPlan, OpStrategy, ParamPlacement, Plan
 
-__all__ = ["make_plan", "FAMILIES"]
+__all__ = ["make_plan", "expected_param_bytes", "FAMILIES"]
 
 FAMILIES = ("replicate", "megatron", "megatron-sp", "2d", "3d")
 _UNPLANNED = (OpKind.INPUT, OpKind.INDEX)
@@ -133,3 +133,22 @@ def make_plan(graph: OpGraph, mesh: MeshSpec, family: str, *, global_batch: int,
                 ops=tuple(ops))
 
 
+
+
+def expected_param_bytes(plan: Plan, graph: OpGraph) -> int:
+    """Parameter bytes per rank a plan implies (even shards): each parameter's elements over the degrees of
+    the axes its storage layout shards, and over dp when its op's ZeRO level is above 0. Tied parameters
+    count once, with the highest ZeRO level of their ops (as the runtime groups them)."""
+    dtype_bytes = {p.name: 4 for op in graph.ops for p in op.params}
+    numel = {p.name: p.numel for op in graph.ops for p in op.params}
+    shards: dict[str, int] = {}
+    zero: dict[str, int] = {}
+    for op_plan in plan.ops:
+        for pp in op_plan.strategy.params:
+            shards[pp.name] = pp.storage.shard_degree(plan.mesh)
+            zero[pp.name] = max(zero.get(pp.name, 0), op_plan.strategy.zero)
+    total = 0
+    for name, n in numel.items():
+        degree = shards.get(name, 1) * (plan.mesh.degree("dp") if zero.get(name, 0) > 0 else 1)
+        total += n * dtype_bytes[name] // degree
+    return total

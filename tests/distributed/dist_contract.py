@@ -1,0 +1,68 @@
+"""What each rank runs in the contract tests: outputs, names, collectives and errors of the runtime."""
+
+from __future__ import annotations
+
+import torch
+from dist_checks import loss_of
+from dist_models import build, example_batch
+from torch.distributed.tensor import DTensor
+
+from autoshard.errors import RuntimeSetupError
+from autoshard.runtime import apply_plan, build_device_mesh, measure_step_comm
+
+__all__ = ["contract_checks"]
+
+
+def _apply(case: dict):
+    model = build(case["model"])
+    return model, apply_plan(model, case["plan"], graph=case["graph"], mesh=build_device_mesh(case["plan"].mesh))
+
+
+def _step(pmodel, name: str, batch: int):
+    x, y = example_batch(name, batch)
+    lx, ly = pmodel.shard_inputs((x, y))
+
+    def step():
+        loss_of(name, pmodel(lx), ly).backward()
+
+    return step
+
+
+def _outputs_and_names(case: dict) -> dict:
+    """Local plain logits over the full vocabulary for this rank's slice; original FQNs and state_dict keys."""
+    names = [n for n, _ in build(case["model"]).named_parameters()]
+    keys = list(build(case["model"]).state_dict())
+    _, pmodel = _apply(case)
+    x, _ = example_batch(case["model"], case["batch"])
+    (lx,) = pmodel.shard_inputs((x,))
+    logits = pmodel(lx).logits
+    return {"logits_type": type(logits).__name__, "logits_shape": tuple(logits.shape),
+            "local_batch": lx.shape[0], "dtensor_params": all(isinstance(p, DTensor) for p in pmodel.parameters()),
+            "state_dict_keys_kept": list(pmodel.state_dict()) == keys,
+            "param_names_kept": [n for n, _ in pmodel.named_parameters()] == names,
+            "split_names": [n for n, _ in pmodel.named_parameters() if ".slices." in n]}
+
+
+def _comm(case: dict) -> dict:
+    """{collective: bytes} of one forward+backward after a warm-up step (FSDP initializes lazily)."""
+    _, pmodel = _apply(case)
+    step = _step(pmodel, case["model"], case["batch"])
+    step()
+    pmodel.zero_grad()
+    return measure_step_comm(step)
+
+
+def _wrong_world(case: dict) -> str:
+    try:
+        build_device_mesh(case["plan"].mesh)
+    except RuntimeSetupError as exc:
+        return str(exc)
+    return "no error"
+
+
+_CHECKS = {"outputs": _outputs_and_names, "comm": _comm, "wrong_world": _wrong_world}
+
+
+def contract_checks(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    torch.manual_seed(0)
+    return [{"id": c["id"], "result": _CHECKS[c["check"]](c)} for c in cases]

@@ -1,0 +1,98 @@
+"""The runtime's contract on real gloo ranks: what a user gets back, what a step sends, how it fails.
+
+All checks share one 2-rank world. Byte counts are exact: B=4 sequences of S=16 tokens, hidden H=64,
+vocabulary V=128, fp32, so one (B, S, H) activation is 16384 bytes and the logits are 32768.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from dist_contract import contract_checks
+from dist_harness import run_world
+from dist_models import build, example_batch
+from dist_plans import make_plan
+
+from autoshard.planner.layouts import MeshSpec
+
+pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+BATCH = 4
+ACT_BYTES = BATCH * 16 * 64 * 4
+LOGIT_BYTES = BATCH * 16 * 128 * 4
+MLP_PARAM_BYTES = 4 * (2 * (16 * 32 + 32 + 32 * 16 + 16) + 16 * 16 + 16)  # MLP(layers=2, hidden=16, ffn=32)
+
+_SPLIT = {"zero": 3, "split": {"transformer.h.0.mlp.c_fc": 2, "transformer.h.1.attn.c_proj": 4}}
+# id: (check, model, family, mesh degrees, plan options)
+CHECKS = {
+    "outputs-1d": ("outputs", "gpt2", "megatron", {"tp": 2}, {}),
+    "outputs-split": ("outputs", "gpt2", "replicate", {"dp": 2}, _SPLIT),
+    "comm-1d": ("comm", "llama", "megatron", {"tp": 2}, {}),
+    "comm-dp": ("comm", "mlp", "replicate", {"dp": 2}, {}),
+    "comm-zero3": ("comm", "mlp", "replicate", {"dp": 2}, {"zero": 3}),
+    "wrong-world": ("wrong_world", "mlp", "replicate", {"dp": 4}, {}),
+}
+
+
+@functools.cache
+def _graph(model: str):
+    from autoshard.capture import capture
+
+    x, _ = example_batch(model, 2)
+    return capture(build(model), (x,))
+
+
+@functools.cache
+def _results() -> dict[str, object]:
+    cases = []
+    for case_id, (check, model, family, degrees, options) in CHECKS.items():
+        plan = make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options)
+        cases.append({"id": case_id, "check": check, "model": model, "plan": plan, "graph": _graph(model),
+                      "batch": BATCH})
+    per_rank = run_world(contract_checks, 2, cases, timeout_s=300)
+    return {r["id"]: [rank[i]["result"] for rank in per_rank] for i, r in enumerate(per_rank[0])}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case_id", ["outputs-1d", "outputs-split"])
+def test_outputs_are_plain_local_tensors_over_the_full_vocabulary(case_id):
+    for r in _results()[case_id]:
+        assert r["logits_type"] == "Tensor"
+        assert r["logits_shape"] == (r["local_batch"], 16, 128)
+        assert r["dtensor_params"]
+        assert r["state_dict_keys_kept"]
+
+
+@pytest.mark.timeout(400)
+def test_parameter_names_are_kept_except_under_operator_splitting():
+    assert all(r["param_names_kept"] and not r["split_names"] for r in _results()["outputs-1d"])
+    split = _results()["outputs-split"][0]["split_names"]
+    assert split[:2] == ["transformer.h.0.mlp.c_fc.slices.0.weight", "transformer.h.0.mlp.c_fc.slices.1.weight"]
+    assert len(split) == 6
+
+
+@pytest.mark.timeout(400)
+def test_megatron_step_sends_exactly_megatrons_collectives():
+    # forward: embedding + 2 per layer all-reduces (5); backward: the input gradient of each attention and MLP
+    # block and of the head (5); the logits are gathered once for the caller
+    for r in _results()["comm-1d"]:
+        assert r == {"all_gather": LOGIT_BYTES, "all_reduce": 10 * ACT_BYTES}
+
+
+@pytest.mark.timeout(400)
+def test_data_parallel_step_all_reduces_every_gradient_once():
+    for r in _results()["comm-dp"]:
+        assert r == {"all_reduce": MLP_PARAM_BYTES}
+
+
+@pytest.mark.timeout(400)
+def test_zero3_step_gathers_parameters_in_forward_and_backward_and_reduce_scatters_gradients():
+    for r in _results()["comm-zero3"]:
+        assert r == {"all_gather": 2 * MLP_PARAM_BYTES, "reduce_scatter": MLP_PARAM_BYTES}
+
+
+@pytest.mark.timeout(400)
+def test_plan_for_another_world_size_fails_on_every_rank_with_a_runtime_setup_error():
+    for message in _results()["wrong-world"]:
+        assert "needs 4 ranks but this job has 2" in message

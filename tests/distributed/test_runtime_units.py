@@ -1,0 +1,77 @@
+"""Runtime pieces that need no process group: placement mapping, plan checks, the split Linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_models import build, example_batch
+from dist_plans import make_plan
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoshard.errors import ConfigurationError, PlanFileError
+from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, SEQ, MeshSpec, layout
+from autoshard.runtime import autoparallel
+from autoshard.runtime.placements import activation_placements, param_placements
+from autoshard.runtime.specs import module_specs
+from autoshard.runtime.split import SplitLinear
+
+NAMES = ("dp", "tp")
+
+
+def test_activation_layouts_map_semantic_dims_per_tensor_rank():
+    lay = layout(dp=BATCH, tp=FEAT)
+    assert activation_placements(lay, NAMES, torch.zeros(4, 16, 64)) == (Shard(0), Shard(2))
+    assert activation_placements(lay, NAMES, torch.zeros(4, 8, 16, 8)) == (Shard(0), Shard(1))  # heads
+    assert activation_placements(lay, NAMES, torch.zeros(4, 64)) == (Shard(0), Shard(1))
+    assert activation_placements(layout(tp=SEQ), NAMES, torch.zeros(4, 16, 64)) == (Replicate(), Shard(1))
+    assert activation_placements(layout(tp=SEQ), NAMES, torch.zeros(4, 16, dtype=torch.long)) == (Replicate(), Shard(1))
+    assert activation_placements(layout(tp=PARTIAL), NAMES, torch.zeros(4, 64)) == (Replicate(), Partial())
+
+
+def test_a_batch_dim_of_one_is_broadcast_not_sharded():
+    assert activation_placements(layout(dp=BATCH), NAMES, torch.zeros(1, 16, 64)) == (Replicate(), Replicate())
+
+
+def test_parameter_layouts_follow_each_module_types_weight_convention():
+    from transformers.pytorch_utils import Conv1D
+
+    linear, conv1d, emb = nn.Linear(8, 16), Conv1D(16, 8), nn.Embedding(32, 8)  # Conv1D(nf=out, nx=in)
+    assert param_placements(layout(tp=OUT), NAMES, linear, "weight", 2) == (Replicate(), Shard(0))
+    assert param_placements(layout(tp=IN), NAMES, linear, "weight", 2) == (Replicate(), Shard(1))
+    assert param_placements(layout(tp=OUT), NAMES, conv1d, "weight", 2) == (Replicate(), Shard(1))
+    assert param_placements(layout(tp=IN), NAMES, conv1d, "weight", 2) == (Replicate(), Shard(0))
+    assert param_placements(layout(tp=IN), NAMES, emb, "weight", 2) == (Replicate(), Shard(0))  # vocab
+    assert param_placements(layout(tp=OUT), NAMES, emb, "weight", 2) == (Replicate(), Shard(1))
+    assert param_placements(layout(tp=OUT), NAMES, linear, "bias", 1) == (Replicate(), Shard(0))
+    with pytest.raises(ValueError, match="row-parallel bias is replicated"):
+        param_placements(layout(tp=IN), NAMES, linear, "bias", 1)
+
+
+def test_autoparallel_without_a_plan_says_the_planner_is_not_available_yet():
+    with pytest.raises(ConfigurationError, match="planner not available yet"):
+        autoparallel(nn.Linear(2, 2), "1x1xcpu", example_inputs=(torch.zeros(1, 2),), global_batch=1)
+
+
+def test_a_plan_made_for_another_model_is_rejected():
+    from autoshard.capture import capture
+
+    x, _ = example_batch("mlp", 2)
+    graph = capture(build("mlp"), (x,))
+    plan = make_plan(graph, MeshSpec.of(dp=2), "replicate", global_batch=4)
+    with pytest.raises(PlanFileError, match="re-plan"):
+        module_specs(plan, graph, build("gpt2"))
+
+
+def test_split_linear_equals_the_linear_and_keeps_its_state_dict_keys():
+    from transformers.pytorch_utils import Conv1D
+
+    for layer in (nn.Linear(8, 6), Conv1D(6, 8)):
+        x = torch.randn(3, 8)
+        split = SplitLinear(layer, 4)
+        torch.testing.assert_close(split(x), layer(x), atol=1e-6, rtol=0)
+        assert list(split.state_dict()) == list(layer.state_dict())
+        torch.testing.assert_close(split.state_dict()["weight"], layer.weight.detach())
+        fresh = SplitLinear(type(layer)(8, 6) if isinstance(layer, nn.Linear) else Conv1D(6, 8), 4)
+        fresh.load_state_dict(layer.state_dict())
+        torch.testing.assert_close(fresh(x), layer(x), atol=1e-6, rtol=0)
