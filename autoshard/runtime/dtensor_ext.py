@@ -101,8 +101,18 @@ class SPMDMode(TorchFunctionMode):
                         for x, is_plain in zip(flat, plain, strict=True)]
                 args, kwargs = pytree.tree_unflatten(flat, spec)
             if func is F.scaled_dot_product_attention:
+                _check_attention_dropout(args, kwargs, mesh)
                 args, kwargs = _with_aligned_mask(args, kwargs)
         return func(*args, **kwargs)
+
+
+def _check_attention_dropout(args: tuple, kwargs: dict, mesh) -> None:
+    dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    if dropout and mesh.device_type == "cpu":
+        # on CPU a dropout > 0 selects the composite math kernel, which builds plain tensors inside ATen where
+        # nothing can convert them (torch 2.13); CUDA's flash / efficient kernels have DTensor rules with dropout
+        raise NotImplementedError(f"attention dropout {dropout} is not supported on CPU ranks: DTensor cannot "
+                                  "run the math attention kernel; set the model's attention dropout to 0")
 
 
 def _is_inplace(func, kwargs) -> bool:
@@ -138,8 +148,7 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, placements: tuple[Placement, ...], dp_dims: tuple[bool, ...]) -> DTensor:
         ctx.src, ctx.dp_dims = tuple(x.placements), dp_dims
-        if tuple(x.placements) == placements:
-            return x.view_as(x)
+        # with equal placements DTensor returns an alias, not a view (FSDP2 warns about views it returns)
         return x.redistribute(x.device_mesh, placements)
 
     @staticmethod

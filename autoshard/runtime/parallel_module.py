@@ -98,7 +98,7 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor
-        return x.view_as(x)
+        return x.detach()  # an alias, not a view: FSDP2 warns about views a module returns
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -122,7 +122,8 @@ def _to_local(y, state: RuntimeState):
     local = y.to_local()
     batch_sharded = state.dp_degree > 1 and Shard(0) in [p for n, p in zip(state.mesh.mesh_dim_names, target,
                                                                            strict=True) if n == "dp"]
-    return _ScaleGrad.apply(local, 1.0 / state.dp_degree) if batch_sharded and local.requires_grad else local
+    factor = 1.0 / state.dp_degree if batch_sharded else 1.0
+    return _ScaleGrad.apply(local, factor) if local.requires_grad else local
 
 
 def make_parallel(model: nn.Module, state: RuntimeState) -> nn.Module:
