@@ -9,12 +9,12 @@ mode allows, on the first pipeline stage (which holds the most micro-batches in 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.cost_models.compute import FLASH_BACKWARD_FLOPS_FACTOR, attention_efficiency
 from autoshard.cost_models.memory import Precision, tensor_bytes
+from autoshard.planner.cache import graph_cache
 from autoshard.planner.opcost import score_shaped
 from autoshard.planner.strategies import PLANNED_KINDS
 
@@ -41,8 +41,7 @@ class GraphTotals:
     block_input_elems: float  # what full recompute keeps per block
 
 
-@functools.lru_cache(maxsize=32)
-def _totals_cached(graph: OpGraph) -> GraphTotals:
+def _totals(graph: OpGraph) -> GraphTotals:
     g = dict.fromkeys(GraphTotals.__dataclass_fields__, 0.0)
     seq = graph.seq_len
     for op in graph.ops:
@@ -77,7 +76,10 @@ def _totals_cached(graph: OpGraph) -> GraphTotals:
 
 
 def graph_totals(graph: OpGraph) -> GraphTotals:
-    return _totals_cached(graph)
+    cache = graph_cache(graph)
+    if "totals" not in cache:
+        cache["totals"] = _totals(graph)
+    return cache["totals"]
 
 
 def time_lower_bound_s(graph: OpGraph, gpu, precision: Precision, *, tp_degree: int, pp: int, micro_batch: int,
@@ -120,6 +122,13 @@ def memory_lower_bound_bytes(graph: OpGraph, precision: Precision, *, tp_degree:
 def block_costs(graph: OpGraph) -> tuple[float, float, float]:
     """(before the blocks, one block, after the blocks) in forward FLOP-equivalents, for stage balancing.
     Memory-bound work counts at a 100 FLOP/byte exchange rate (an A100's ridge point is ~150)."""
+    cache = graph_cache(graph)
+    if "block_costs" not in cache:
+        cache["block_costs"] = _block_costs(graph)
+    return cache["block_costs"]
+
+
+def _block_costs(graph: OpGraph) -> tuple[float, float, float]:
     pre = block = post = 0.0
     seen_block = False
     first_layer = None

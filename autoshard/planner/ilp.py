@@ -30,7 +30,8 @@ Constraints
     placements of a shared parameter agree across the ops that use it                        (`_tied_params`)
 
 The solver (HiGHS through highspy when installed, CBC otherwise) runs with a time limit and returns its best
-incumbent. With `minimize_memory=True` the same constraints minimize max_k memory instead: the smallest memory
+incumbent. The search first solves the LP relaxation (`relaxation_bound`) and skips the integer solve when
+that bound cannot beat the best plan found so far. With `minimize_memory=True` the same constraints minimize max_k memory instead: the smallest memory
 any plan in this configuration needs, reported when the cap is infeasible.
 """
 
@@ -58,7 +59,9 @@ from autoshard.planner.plan import OpStrategy, PipelineSpec
 from autoshard.planner.strategies import rebind
 from autoshard.planner.template import TemplateGraph, template_for
 
-__all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "extract_assignment"]
+__all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "relaxation_bound",
+           "extract_assignment",
+           "expand_assignment"]
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ def _strategy_vars(lp, tg: TemplateGraph, strategies) -> dict[StratVar, pulp.LpV
     return x
 
 
-def _consumer_key(st: OpStrategy, index: int) -> tuple:
+def consumer_key(st: OpStrategy, index: int) -> tuple:
     return (st.inputs[index], grad_partial_axes(st) if index == 0 else frozenset())
 
 
@@ -139,7 +142,7 @@ def _edge_vars(lp, tg, strategies, x, ctx, recompute_full: bool):
         if e.src not in out_groups:
             out_groups[e.src] = _groups(src_st, lambda s: s.output)
         outs, out_of = out_groups[e.src]
-        keys, key_of = _groups(dst_st, lambda s, i=e.index: _consumer_key(s, i))
+        keys, key_of = _groups(dst_st, lambda s, i=e.index: consumer_key(s, i))
         y = {(a, b): pulp.LpVariable(f"y_{ei}_{a}_{b}", lowBound=0) for a in range(len(outs))
              for b in range(len(keys))}
         for a in range(len(outs)):
@@ -300,6 +303,22 @@ def _solver(time_limit_s: float):
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
 
 
+def relaxation_bound(problem: Problem) -> float:
+    """Objective of the LP relaxation (strategy variables continuous): a lower bound on the ILP, usually
+    within a few percent of it, at a fraction of the cost. +inf when even the relaxation is infeasible."""
+    binaries = [v for v in problem.x.values()]
+    for v in binaries:
+        v.cat = pulp.LpContinuous
+    try:
+        problem.lp.solve(pulp.HiGHS(msg=False, threads=1) if pulp.HiGHS().available() else
+                         pulp.PULP_CBC_CMD(msg=False))
+        ok = problem.lp.sol_status == pulp.LpSolutionOptimal
+        return float(pulp.value(problem.lp.objective)) if ok else float("inf")
+    finally:
+        for v in binaries:
+            v.cat = pulp.LpInteger
+
+
 def solve(problem: Problem, *, time_limit_s: float = 20.0) -> Solution:
     import time
 
@@ -327,10 +346,14 @@ def _has_values(problem: Problem) -> bool:
 
 def extract_assignment(problem: Problem, solution: Solution) -> dict[str, OpStrategy]:
     """Strategy of every real op: each block instance takes its template op's choice."""
-    out = {}
-    for real, tmpl in problem.template.to_template.items():
-        if tmpl in solution.choice:
-            out[real] = rebind(problem.strategies[tmpl][solution.choice[tmpl]], problem.graph.op(real))
-    return out
+    chosen = {t: problem.strategies[t][i] for t, i in solution.choice.items()}
+    return expand_assignment(problem.graph, chosen)
+
+
+def expand_assignment(graph: OpGraph, template_assign: dict[str, OpStrategy]) -> dict[str, OpStrategy]:
+    """Template-level strategies -> every op, each block instance with its own parameter names."""
+    tg, _ = template_for(graph, PipelineSpec())
+    return {real: (template_assign[t] if real == t else rebind(template_assign[t], graph.op(real)))
+            for real, t in tg.to_template.items() if t in template_assign}
 
 

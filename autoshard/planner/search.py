@@ -19,13 +19,20 @@ from autoshard.capture.ir import OpGraph
 from autoshard.errors import InfeasiblePlanError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.evaluate import Evaluation, evaluate, inflight_microbatches, pipeline_fill
-from autoshard.planner.ilp import build_problem, extract_assignment, solve
+from autoshard.planner.evaluate import (
+    Evaluation,
+    block_inputs,
+    evaluate,
+    inflight_microbatches,
+    pipeline_fill,
+)
+from autoshard.planner.ilp import build_problem, consumer_key, expand_assignment, relaxation_bound, solve
 from autoshard.planner.layouts import MeshSpec
+from autoshard.planner.opcost import edge_cost, op_cost
 from autoshard.planner.plan import OpStrategy, PipelineSpec
 from autoshard.planner.stages import balanced_stage_layers
 from autoshard.planner.strategies import strategies_for
-from autoshard.planner.template import build_template
+from autoshard.planner.template import template_for
 
 __all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search", "parse_space", "allowed"]
 
@@ -181,7 +188,7 @@ def allowed(st: OpStrategy, has_params: bool, space: frozenset[str], dp: int) ->
 
 
 def _strategies(graph: OpGraph, cand: Candidate, space, cache) -> dict[str, list[OpStrategy]] | None:
-    tg = build_template(graph, {op.name: 0 for op in graph.ops}, 1)
+    tg, _ = template_for(graph, PipelineSpec())
     out = {}
     dp = cand.mesh.degree("dp")
     for op in tg.ops:
@@ -205,14 +212,18 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
     best: SearchResult | None = None
     solved, cache = 0, {}
     for i, cand in enumerate(cands):
-        if best is not None and cand.time_lb_s >= best.evaluation.prediction.iteration_time_s:
+        bound = best.evaluation.prediction.iteration_time_s if best is not None else math.inf
+        if cand.time_lb_s >= bound:
             break
         if time.perf_counter() - t0 > budget_s and best is not None:
             log.warning("search stopped after %.0f s with %d candidates left; the plan is the best found so far",
                         budget_s, len(cands) - i)
             break
-        result = _solve_candidate(graph, cluster, cand, global_batch, space, cap, time_limit_s, cache)
-        solved += 1
+        prepared = _prepare(graph, cluster, cand, space, cache)
+        if prepared is None or not _may_beat(graph, cand, prepared, cap, bound, cache):
+            continue
+        result = _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prepared, bound)
+        solved += result is not None
         if progress and solved % 10 == 0:
             progress(f"searched {solved} configurations ({i + 1}/{len(cands)} by bound)")
         if result is not None and (best is None or result.evaluation.prediction.iteration_time_s <
@@ -220,6 +231,9 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
             best = result
     if best is None:
         raise _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned)
+    best.assignment = expand_assignment(graph, best.assignment)
+    best.evaluation = evaluate(graph, best.assignment, _context(graph, cluster, best.candidate), best.candidate.pipe,
+                               global_batch=global_batch)
     best.considered, best.solved, best.pruned_memory = len(cands), solved, pruned
     best.solve_time_s = time.perf_counter() - t0
     return best
@@ -231,17 +245,86 @@ def _context(graph, cluster, cand: Candidate) -> PlanContext:
                        recompute=cand.recompute, seq=graph.seq_len)
 
 
-def _solve_candidate(graph, cluster, cand, global_batch, space, cap, time_limit_s, cache) -> SearchResult | None:
+@dataclass
+class _Prepared:
+    ctx: PlanContext
+    strategies: dict[str, list[OpStrategy]]
+    costs: dict[str, list]  # template op -> OpCost per strategy
+
+
+def _prepare(graph, cluster, cand: Candidate, space, cache) -> _Prepared | None:
+    """Candidate strategies and their op costs; costs do not depend on the pipeline, so candidates that
+    differ only in schedule share them."""
     strategies = _strategies(graph, cand, space, cache)
     if strategies is None:
         return None
+    key = ("costs", cand.mesh, cand.micro_batch, cand.num_microbatches, cand.recompute)
     ctx = _context(graph, cluster, cand)
-    problem = build_problem(graph, ctx, cand.pipe, strategies, cap_bytes=cap)
+    if key not in cache:
+        firsts = block_inputs(graph)
+        cache[key] = {name: [op_cost(graph.op(name), s, ctx, block_input=firsts.get(name)) for s in sts]
+                      for name, sts in strategies.items()}
+    return _Prepared(ctx=ctx, strategies=strategies, costs=cache[key])
+
+
+def _may_beat(graph, cand: Candidate, prep: _Prepared, cap: float, bound: float, cache: dict) -> bool:
+    """Second bound, per pipeline stage: every op at its cheapest strategy counting its own compute and
+    tensor-parallel traffic plus the cheapest way to receive each input (an edge is charged to its consumer
+    only, so no cost is counted twice); every op at its smallest memory."""
+    tg, _ = template_for(graph, cand.pipe)
+    inflight = [inflight_microbatches(k, cand.pipe, cand.num_microbatches) for k in range(cand.pipe.degree)]
+    into = _edge_minima(tg, cand, prep, cache)
+    worst_t, worst_m = 0.0, 0.0
+    for k in range(cand.pipe.degree):
+        t = mem = 0.0
+        for op in tg.ops:
+            n = tg.per_stage[op.name][k]
+            if n:
+                costs = prep.costs[op.name]
+                t += min(n * c.time_s + sum(m * e[i] for m, e in into[op.name][k]) for i, c in enumerate(costs))
+                mem += min(n * (c.state_bytes + inflight[k] * c.saved_bytes) for c in costs)
+        worst_t, worst_m = max(worst_t, t), max(worst_m, mem)
+    return (cand.num_microbatches + pipeline_fill(cand.pipe)) * worst_t < bound and worst_m <= cap
+
+
+def _edge_minima(tg, cand: Candidate, prep: _Prepared, cache: dict) -> dict:
+    """op -> per stage: [(edges into it in that stage, [cheapest receive time for each of its strategies])]."""
+    full = cand.recompute == "full"
+    out: dict = {op.name: [[] for _ in range(cand.pipe.degree)] for op in tg.ops}
+    for e in tg.edges:
+        src_outs = {s.output for s in prep.strategies[e.src]}
+        per_strategy = []
+        for st in prep.strategies[e.dst]:
+            key = (consumer_key(st, e.index), e.meta, e.in_block and full, cand.mesh, cand.micro_batch)
+            if key not in cache:
+                dst, partial = key[0]
+                cache[key] = {}
+            table = cache[key]
+            best = math.inf
+            for lay in src_outs:
+                if lay not in table:
+                    c = edge_cost(e.meta, lay, key[0][0], key[0][1], prep.ctx)
+                    table[lay] = c.time_s + (c.fwd_s if key[2] else 0.0)
+                best = min(best, table[lay])
+            per_strategy.append(best)
+        for k, n in enumerate(e.per_stage):
+            if n:
+                out[e.dst][k].append((n, per_strategy))
+    return out
+
+
+def _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prep: _Prepared,
+                     bound: float = math.inf) -> SearchResult | None:
+    ctx, strategies = prep.ctx, prep.strategies
+    problem = build_problem(graph, ctx, cand.pipe, strategies, cap_bytes=cap, costs=prep.costs)
+    if relaxation_bound(problem) >= bound:
+        return None
     sol = solve(problem, time_limit_s=time_limit_s)
     if sol.status == "infeasible":
         return None
-    assign = extract_assignment(problem, sol)
-    ev = evaluate(graph, assign, ctx, cand.pipe, global_batch=global_batch)
+    # price the template-level choice (every block instance shares it); expand to every op only for the winner
+    assign = {name: strategies[name][i] for name, i in sol.choice.items()}
+    ev = evaluate(graph, assign, ctx, cand.pipe, global_batch=global_batch, check_tied=False)
     if ev.prediction.memory.total_bytes > cap * 1.0001:
         return None  # the ILP's linear memory model and the evaluator disagree: trust the evaluator
     return SearchResult(assignment=assign, candidate=cand, evaluation=ev, solve_time_s=sol.solve_time_s)
