@@ -136,9 +136,10 @@ def _grad_placement(src: Placement, grad: Placement, *, data_parallel: bool) -> 
     if data_parallel:
         return grad if grad.is_partial() or grad == src else src
     if src.is_partial():
-        # a plain sum may stay a sum; a masked partial (vocabulary-parallel embedding) needs the full gradient,
-        # and DTensor cannot turn Partial(sum) into a MaskPartial
-        return grad if grad == src else Replicate()
+        # reduce here, where the tensor is smallest: a partial gradient of a statistic (B, S, 1) left partial
+        # is expanded to (B, S, H) by the reduction's backward and reduce-scattered there. A masked partial
+        # (vocabulary-parallel embedding) needs the full gradient too, and DTensor cannot produce it itself.
+        return Replicate()
     return src
 
 
@@ -166,8 +167,9 @@ def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
     The runtime calls this at every planned module boundary, even when the forward is a no-op, because the
     backward is what fixes the gradient's placement there:
 
-    - tensor-parallel dims: the gradient is brought to the input's placement (a replicated input gets its
-      partial gradient all-reduced: Megatron-LM's `f`; a sequence shard gets it reduce-scattered). Without
+    - tensor-parallel dims: the gradient is brought to the input's placement, a partial input's to replicated
+      (a replicated input gets its partial gradient all-reduced: Megatron-LM's `f`; a sequence shard gets it
+      reduce-scattered; the all-reduce of a row-parallel output has an all-reduced gradient). Without
       this, partial gradients leak into whatever the producer computes in backward (a norm written in Python)
       and DTensor reduces them wherever an op first needs it, with whatever collective it picks. A masked
       partial (vocabulary-parallel embedding output) takes its gradient back replicated, which DTensor's own

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
 
@@ -84,15 +85,30 @@ def param_dim(placement: str, module: nn.Module, param_name: str, ndim: int) -> 
     return 0 if placement == OUT else 1
 
 
-def param_placements(layout: Layout, mesh_names: Sequence[str], module: nn.Module, param_name: str,
-                     ndim: int) -> tuple[Placement, ...]:
+def param_placements(layout: Layout, mesh_names: Sequence[str], module: nn.Module, param_name: str, ndim: int,
+                     *, degrees: Sequence[int] | None = None, compute: Layout | None = None) -> tuple[Placement, ...]:
     """Placements of parameter `param_name` of `module` laid out as `layout`; the dp axis is replicated here
-    (FSDP2 shards it afterwards from the op's `zero` level)."""
+    (FSDP2 shards it afterwards from the op's `zero` level).
+
+    For a storage layout, pass the `compute` layout and the mesh `degrees`: an axis that shards a dim only
+    for storage (all-gathered before use, e.g. tp_x of a 3D weight stored x:S(out), y:S(out)) is made the
+    *inner* shard of that dim (`_StridedShard`, as FSDP2 does on dp), so gathering it is one all-gather of
+    1/q of the weight and its gradient one reduce-scatter. With DTensor's default outer-to-inner order,
+    dropping the outer axis takes two all-gathers and an all-gather plus a reduce-scatter in backward.
+    """
     out: list[Placement] = []
-    for axis in mesh_names:
+    for i, axis in enumerate(mesh_names):
         pl = layout.get(axis)
         if axis == "dp" or pl == REPLICATE:
             out.append(Replicate())
-        else:
-            out.append(Shard(param_dim(pl, module, param_name, ndim)))
+            continue
+        dim = param_dim(pl, module, param_name, ndim)
+        split = 1
+        if compute is not None and degrees is not None and compute.get(axis) != pl:
+            for j in range(i + 1, len(mesh_names)):
+                later = layout.get(mesh_names[j])
+                if later in (OUT, IN) and param_dim(later, module, param_name, ndim) == dim \
+                        and compute.get(mesh_names[j]) == later:
+                    split *= degrees[j]
+        out.append(_StridedShard(dim, split_factor=split) if split > 1 else Shard(dim))
     return tuple(out)

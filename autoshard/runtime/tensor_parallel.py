@@ -52,14 +52,16 @@ def redistribute_activation(x, layout: Layout | None, mesh_names, *, output: boo
     return redistribute(x, target)
 
 
-def _storage_of(specs: dict[str, ModuleSpec], model: nn.Module, names) -> dict[int, tuple[tuple, str]]:
+def _storage_of(specs: dict[str, ModuleSpec], model: nn.Module, mesh: DeviceMesh) -> dict[int, tuple[tuple, str]]:
     """id(parameter) -> (storage placements, op that asked), checking tied uses agree."""
     storage: dict[int, tuple[tuple, str]] = {}
+    names, degrees = mesh.mesh_dim_names, tuple(mesh.shape)
     for spec in specs.values():
         module = model.get_submodule(spec.path)
         for local, pp in spec.params.items():
             param = module._parameters[local]
-            placements = param_placements(pp.storage, names, module, local, param.dim())
+            placements = param_placements(pp.storage, names, module, local, param.dim(), degrees=degrees,
+                                          compute=pp.compute)
             prev = storage.setdefault(id(param), (placements, spec.op))
             if prev[0] != placements:
                 raise PlanFileError(f"parameter {pp.name} is stored as {prev[0]} by op {prev[1]} but as "
@@ -70,7 +72,7 @@ def _storage_of(specs: dict[str, ModuleSpec], model: nn.Module, names) -> dict[i
 def distribute_parameters(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> None:
     """Replace every parameter by a DTensor with its storage placement (tied parameters stay tied)."""
     names = mesh.mesh_dim_names
-    storage = _storage_of(specs, model, names)
+    storage = _storage_of(specs, model, mesh)
     for pid, holders in param_owners(model).items():
         param = holders[0][0]._parameters[holders[0][1]]
         if isinstance(param, DTensor):
