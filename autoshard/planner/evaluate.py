@@ -127,7 +127,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.tp += n * (c.tp_fwd_s + c.tp_bwd_s)
             st.dp_mb += n * (c.dp_fwd_s + c.dp_bwd_s)
             st.dp_iter += n * c.dp_iter_s
-            st.params += n * c.param_bytes / ctx.precision.param_bytes
+            st.params += n * c.optim_bytes / _optim_bytes_per_param(ctx)  # the step runs on the shard
             st.memory = st.memory + MemoryBreakdown(params_bytes=n * c.param_bytes, grads_bytes=n * c.grad_bytes,
                                                     optimizer_bytes=n * c.optim_bytes)
             st.saved += n * c.saved_bytes
@@ -145,6 +145,10 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
         st.units = units[k]
     _boundaries(graph, assign, ctx, pipe, stage, stages)
     return stages
+
+
+def _optim_bytes_per_param(ctx: PlanContext) -> float:
+    return ctx.precision.master_bytes + ctx.precision.optim_bytes
 
 
 def stage_units(graph: OpGraph, pipe: PipelineSpec, stage: dict[str, int]) -> list[int]:

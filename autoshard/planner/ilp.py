@@ -97,6 +97,13 @@ class Solution:
     solve_time_s: float
 
 
+def _var(lp: pulp.LpProblem, name: str, **kw) -> pulp.LpVariable:
+    """A variable of `lp` (PuLP >= 3.3 attaches it to the problem; older versions build it standalone)."""
+    if hasattr(lp, "add_variable"):
+        return lp.add_variable(name, **kw)
+    return pulp.LpVariable(name, **kw)
+
+
 def _aff(terms) -> pulp.LpAffineExpression:
     """An affine expression from (variable, coefficient) pairs, repeated variables summed (PuLP's own
     constructor keeps only the last coefficient of a repeated variable); much faster than `+` and `*`."""
@@ -115,7 +122,7 @@ def _strategy_vars(lp, tg: TemplateGraph, strategies) -> dict[StratVar, pulp.LpV
     for op in tg.ops:
         vs = []
         for i, _ in enumerate(strategies[op.name]):
-            x[StratVar(op.name, i)] = v = pulp.LpVariable(f"x_{len(x)}", cat="Binary")
+            x[StratVar(op.name, i)] = v = _var(lp, f"x_{len(x)}", cat="Binary")
             vs.append((v, 1.0))
         lp += pulp.LpConstraint(_aff(vs), pulp.LpConstraintEQ, rhs=1)
     return x
@@ -143,7 +150,7 @@ def _edge_vars(lp, tg, strategies, x, ctx, recompute_full: bool):
             out_groups[e.src] = _groups(src_st, lambda s: s.output)
         outs, out_of = out_groups[e.src]
         keys, key_of = _groups(dst_st, lambda s, i=e.index: consumer_key(s, i))
-        y = {(a, b): pulp.LpVariable(f"y_{ei}_{a}_{b}", lowBound=0) for a in range(len(outs))
+        y = {(a, b): _var(lp, f"y_{ei}_{a}_{b}", lowBound=0) for a in range(len(outs))
              for b in range(len(keys))}
         for a in range(len(outs)):
             _eq(lp, [(y[a, b], 1.0) for b in range(len(keys))],
@@ -178,10 +185,11 @@ def _op(tg: TemplateGraph, name: str):
 
 def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
     """T >= per-stage time; returns (T, [S_k], [opt_k] as term lists)."""
-    T = pulp.LpVariable("T", lowBound=0)
+    T = _var(lp, "T", lowBound=0)
     syncs, opts = [], []
     m = ctx.num_microbatches
-    per_param = optimizer_step_bytes(1.0, ctx.precision) / ctx.precision.param_bytes / (
+    # the optimizer step streams the states of the local shard (optim_bytes counts master + moments)
+    per_state_byte = optimizer_step_bytes(1.0, ctx.precision) / (ctx.precision.master_bytes + ctx.precision.optim_bytes) / (
         ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)
     for k in range(pipe.degree):
         comp, tp, dpmb, dpit, bwd, opt = [], [], [], [], [], []
@@ -196,10 +204,10 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
                 tp.append((v, n * (c.tp_fwd_s + c.tp_bwd_s)))
                 dpmb.append((v, n * (c.dp_fwd_s + c.dp_bwd_s) / (m if pipe.layered else 1)))
                 dpit.append((v, n * c.dp_iter_s))
-                opt.append((v, n * c.param_bytes * per_param))
+                opt.append((v, n * c.optim_bytes * per_state_byte))
         tp += edge_terms[k] + [t for s, t in out_terms if s == k]
-        E = pulp.LpVariable(f"E_{k}", lowBound=0)
-        S = pulp.LpVariable(f"S_{k}", lowBound=0)
+        E = _var(lp, f"E_{k}", lowBound=0)
+        S = _var(lp, f"S_{k}", lowBound=0)
         lp += pulp.LpConstraint(_aff([(E, 1.0)] + [(v, -c) for v, c in dpmb] + comp), pulp.LpConstraintGE, rhs=0)
         lp += pulp.LpConstraint(_aff([(E, 1.0)] + [(v, -c / units[k]) for v, c in dpmb]), pulp.LpConstraintGE, rhs=0)
         lp += pulp.LpConstraint(_aff([(S, 1.0)] + [(v, -c) for v, c in dpit] + bwd), pulp.LpConstraintGE, rhs=0)
@@ -218,7 +226,7 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize):
     other = framework_overhead_bytes(groups)
     for k in range(pipe.degree):
         inflight = inflight_microbatches(k, pipe, ctx.num_microbatches)
-        R = pulp.LpVariable(f"R_{k}", lowBound=0)
+        R = _var(lp, f"R_{k}", lowBound=0)
         terms = [(R, 2.0)]
         for op in tg.ops:
             n = tg.per_stage[op.name][k]
@@ -281,14 +289,14 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
     mem = _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize_memory)
     _tied_params(lp, graph, tg, strategies, x)
     if minimize_memory:
-        M = pulp.LpVariable("M", lowBound=0)
+        M = _var(lp, "M", lowBound=0)
         for terms, const in mem:
             lp += pulp.LpConstraint(_aff([(M, 1.0)] + [(v, -c) for v, c in terms]), pulp.LpConstraintGE, rhs=const)
         lp.setObjective(_aff([(M, 1.0)]))
     else:
         fill = pipeline_fill(pipe)
-        S = pulp.LpVariable("S", lowBound=0)
-        O = pulp.LpVariable("O", lowBound=0)
+        S = _var(lp, "S", lowBound=0)
+        O = _var(lp, "O", lowBound=0)
         for s_k in syncs:
             lp += pulp.LpConstraint(_aff([(S, 1.0), (s_k, -1.0)]), pulp.LpConstraintGE, rhs=0)
         for o in opts:
