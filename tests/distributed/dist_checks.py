@@ -17,7 +17,13 @@ from dist_models import build, example_batch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autoshard.runtime import apply_plan, autoparallel, build_device_mesh, local_param_bytes
+from autoshard.runtime import (
+    apply_plan,
+    autoparallel,
+    build_device_mesh,
+    local_param_bytes,
+    measure_step_comm,
+)
 from autoshard.runtime.split import SplitLinear
 
 __all__ = ["compare_cases", "loss_of", "full_named"]
@@ -115,6 +121,9 @@ def _one_case(case: dict) -> dict:
         opt.zero_grad()
     ref_params = dict(ref.named_parameters())
     result["param_diff"], result["param_worst"] = _max_diff(full_named(pmodel, names, grads=False), ref_params)
+    if case.get("measure_comm"):
+        lx, ly = pmodel.shard_inputs((x, y))
+        result["comm"] = measure_step_comm(lambda: loss_of(name, pmodel(lx), ly).backward())
     return result
 
 

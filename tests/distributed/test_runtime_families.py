@@ -65,7 +65,7 @@ def _world_results(world: int, tmp_dir: str) -> dict[str, dict]:
         if w != world:
             continue
         plan = make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options)
-        case = {"id": case_id, "model": model, "batch": BATCH,
+        case = {"id": case_id, "model": model, "batch": BATCH, "measure_comm": case_id in COMM_CASES,
                 "expected_param_bytes": expected_param_bytes(plan, _graph(model))}
         if case_id.endswith("public-api"):
             case["plan_file"] = str(Path(tmp_dir, f"{case_id}.json"))
@@ -91,3 +91,55 @@ def test_loss_gradients_and_adamw_steps_match_single_process(case_id, record_pro
     assert worst["loss_diff"] <= ATOL
     assert worst["grad_diff"] <= ATOL, results[0]["grad_worst"]
     assert worst["param_diff"] <= ATOL, results[0]["param_worst"]
+
+
+# -- what 2D and 3D send: exactly the schemes the cost model prices --------------------------------------------
+COMM_CASES = ("llama-2d", "mlp-3d")
+
+
+def _optimus_bytes(linears, *, batch, seq, q, norms, hidden, vocab, bytes_per=4) -> dict[str, int]:
+    """One step of Optimus 2D on q x q (Xu et al. 2021), as the runtime applies it. Per Linear (K in, N out):
+    forward all-gathers the input over tp_c ((B/q) S K) and the weight over tp_r (K N / q); backward gathers
+    both again (the checkpoint) and reduce-scatters dX over tp_c and dW over tp_r. Per norm: one statistic
+    all-reduced over tp_c in forward and one in backward ((B/q) S), its weight gradient over tp_r (H/q).
+    The embedding's gradient is all-reduced over tp_r (V H/q); the logits are gathered for the caller."""
+    per_linear = sum((batch // q) * seq * k + k * n // q for k, n in linears) * bytes_per
+    logits = ((batch // q) * seq * vocab + batch * seq * vocab) * bytes_per
+    stats = norms * (2 * (batch // q) * seq + hidden // q) * bytes_per
+    return {"all_gather": 2 * per_linear + logits, "reduce_scatter": per_linear,
+            "all_reduce": stats + vocab * hidden // q * bytes_per}
+
+
+@pytest.mark.timeout(600)
+def test_optimus_2d_step_sends_exactly_the_optimus_collectives(tmp_path_factory):
+    layer = [(64, 64)] * 4 + [(64, 128)] * 2 + [(128, 64)]  # q, k, v, o; gate, up; down
+    expected = _optimus_bytes(layer * 2 + [(64, 128)], batch=BATCH, seq=16, q=2, norms=5, hidden=64, vocab=128)
+    for rank in _world_results(4, str(tmp_path_factory.getbasetemp()))["llama-2d"]:
+        assert rank["comm"] == expected
+
+
+def _bian_mlp_bytes(*, batch, hidden, ffn, blocks, q, bytes_per=4) -> dict[str, int]:
+    """One step of 3D tensor parallelism on q x q x q (Bian et al. 2021; gathered tensors kept for backward, as
+    Colossal-AI does) on the MLP (blocks of hidden -> ffn -> hidden, then a hidden -> hidden head), in elements:
+    per Linear (K -> N) the forward all-gathers its weight over x (K N / q^2 remain, sharded on y and z), its
+    input over y or z ((B/q) (K/q); not for the first block, whose input arrives replicated) and
+    reduce-scatters its partial output onto the batch over the other axis ((B/q) (N/q); not the head's,
+    which goes to the caller: all-reduced over z, gathered over y and x). Backward reduce-scatters dW over x
+    and dX over the input's axis, all-gathers the output gradient, and all-reduces bias gradients over x."""
+    linears = [(k, n, b > 0 or k == ffn, True) for b in range(blocks) for k, n in ((hidden, ffn), (ffn, hidden))]
+    linears.append((hidden, hidden, True, False))  # (K, N, input gathered, output reduce-scattered)
+    weights = sum(k * n // q**2 for k, n, _, _ in linears)
+    inputs = sum((batch // q) * (k // q) for k, _, gathered, _ in linears if gathered)
+    outputs = sum((batch // q) * (n // q) for _, n, _, scattered in linears if scattered)
+    to_caller_gathers = (batch // q) * hidden + batch * hidden
+    elements = {"all_gather": weights + inputs + to_caller_gathers + outputs,
+                "reduce_scatter": outputs + weights + inputs,
+                "all_reduce": (batch // q) * (hidden // q) + sum(n // q for _, n, _, _ in linears)}
+    return {k: v * bytes_per for k, v in elements.items()}
+
+
+@pytest.mark.timeout(600)
+def test_3d_step_gathers_each_weight_once_and_reduce_scatters_outputs_and_gradients(tmp_path_factory):
+    expected = _bian_mlp_bytes(batch=BATCH, hidden=16, ffn=32, blocks=2, q=2)
+    for rank in _world_results(8, str(tmp_path_factory.getbasetemp()))["mlp-3d"]:
+        assert rank["comm"] == expected
