@@ -212,10 +212,18 @@ def _cmd_hardware(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2), like every other user error."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        print(f"{self.prog}: error: {message}; see `{self.prog} --help`", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autoshard", description="Auto-parallelization planner for PyTorch training.")
+    p = _Parser(prog="autoshard", description="Auto-parallelization planner for PyTorch training.")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.add_argument("--json", action="store_true")

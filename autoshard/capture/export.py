@@ -10,6 +10,8 @@ batch dims.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from dataclasses import dataclass
 
@@ -67,14 +69,53 @@ def _grow_batch(example_inputs: tuple) -> tuple:
                  for x in example_inputs)
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch.export logs its own diagnosis of a failed trace; we report one line, so keep it off stderr."""
+    names = ("torch", "torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    sink = io.StringIO()  # it also prints the partial graph of a failed trace
+    try:
+        with contextlib.redirect_stderr(sink), contextlib.redirect_stdout(sink):
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels, strict=True):
+            lg.setLevel(lv)
+
+
 def _export(model: nn.Module, inputs: tuple, dynamic: bool) -> torch.export.ExportedProgram:
     kwargs = {"dynamic_shapes": _dynamic_batch(inputs)} if dynamic else {}
-    return torch.export.export(model, inputs, strict=False, **kwargs)
+    with _quiet_torch_logs():
+        return torch.export.export(model, inputs, strict=False, **kwargs)
 
 
 def _describe(exc: BaseException) -> str:
+    """First line of the error and the innermost frame of the user's code where tracing failed."""
     text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
+    head = (text[0] if text else type(exc).__name__)[:240]
+    where = _user_frame(exc)
+    return f"{head} (at {where})" if where else head
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    import os
+    import traceback
+
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = os.path.dirname(os.path.dirname(__file__))
+    found = None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for fr in traceback.extract_tb(exc.__traceback__):
+            if not fr.filename.startswith((torch_dir, ours)) and "site-packages" not in fr.filename \
+                    and not fr.filename.startswith("<"):
+                found = f"{os.path.basename(fr.filename)}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()}"
+        exc = exc.__cause__ or exc.__context__
+    return found
 
 
 def export_model(model: nn.Module, example_inputs: tuple) -> ExportedGraph:

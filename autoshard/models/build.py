@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import logging
+import os
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -108,6 +110,8 @@ def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | No
 
 def _load_factory(ref: str, device: str | None) -> LoadedModel:
     mod_name, _, attr = ref.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a factory in the working directory imports, as with uvicorn/gunicorn
     try:
         module = importlib.import_module(mod_name.strip())
     except Exception as exc:  # noqa: BLE001 - any import failure becomes one line
