@@ -25,7 +25,8 @@ import logging
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoshard.errors import ConfigurationError
 from autoshard.runtime.specs import ModuleSpec, param_owners
@@ -87,6 +88,15 @@ def _groups(model: nn.Module, specs: dict[str, ModuleSpec]) -> list[tuple[list[n
     return groups
 
 
+def _dp_shard_dim(param: nn.Parameter) -> Shard | None:
+    """dp shards dim 0 unless a tensor-parallel axis shards it part by part (a fused projection's weight):
+    two strided shards of one dim compose into a layout DTensor cannot describe."""
+    if isinstance(param, DTensor) and param.dim() > 1 and any(
+            isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements):
+        return Shard(1)
+    return None
+
+
 def _dims(zero: int) -> DataParallelMeshDims:
     return DataParallelMeshDims(shard="dp") if zero > 0 else DataParallelMeshDims(replicate="dp")
 
@@ -98,7 +108,7 @@ def apply_sharded_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], 
         return
     for modules, zero in _groups(model, specs):
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, dp_mesh_dims=_dims(zero),
-                    reshard_after_forward=zero == 3)
+                    reshard_after_forward=zero == 3, shard_placement_fn=_dp_shard_dim if zero > 0 else None)
     fully_shard(model, mesh=mesh, dp_mesh_dims=_dims(0), reshard_after_forward=False)
     for module in model.modules():  # gradients are exact global sums already (parallel_module._to_local)
         if isinstance(module, FSDPModule):

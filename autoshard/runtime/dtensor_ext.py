@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -87,10 +88,15 @@ def _align_mask(mask, query: DTensor):
 
 
 class SPMDMode(TorchFunctionMode):
-    """Function-level implicit replication and attention-mask alignment (see the module docstring)."""
+    """Function-level implicit replication, attention-mask alignment and free splits of fused projections
+    (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("split", "chunk") and args and isinstance(args[0], DTensor):
+            pieces = _split_fused(func.__name__, args, kwargs)
+            if pieces is not None:
+                return pieces
         flat, spec = pytree.tree_flatten((args, kwargs))
         mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
         if mesh is not None and not _is_inplace(func, kwargs):
@@ -104,6 +110,41 @@ class SPMDMode(TorchFunctionMode):
                 _check_attention_dropout(args, kwargs, mesh)
                 args, kwargs = _with_aligned_mask(args, kwargs)
         return func(*args, **kwargs)
+
+
+def _equal_parts(name: str, args: tuple, kwargs: dict, size: int) -> int | None:
+    """Number of equal parts a split / chunk call cuts a dim of `size` into, None if they are unequal."""
+    arg = args[1] if len(args) > 1 else kwargs.get("chunks", kwargs.get("split_size", kwargs.get("split_size_or_sections")))
+    if name == "chunk":
+        return arg if isinstance(arg, int) and size % arg == 0 else None
+    if isinstance(arg, int):
+        return size // arg if size % arg == 0 else None
+    if isinstance(arg, (list, tuple)) and len(set(arg)) == 1 and sum(arg) == size:
+        return len(arg)
+    return None
+
+
+def _split_fused(name: str, args: tuple, kwargs: dict):
+    """Split a fused projection's output (q, k, v sharded part by part, `_StridedShard`) into its parts
+    locally: each rank already holds its shard of every part. None when the call is anything else."""
+    x: DTensor = args[0]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    dim %= x.ndim
+    on_dim = [(i, p) for i, p in enumerate(x.placements) if p.is_shard(dim) or isinstance(p, _StridedShard)
+              and p.dim == dim]
+    if len(on_dim) != 1 or not isinstance(on_dim[0][1], _StridedShard):
+        return None
+    axis, strided = on_dim[0]
+    parts = _equal_parts(name, args, kwargs, x.shape[dim])
+    if parts != strided.split_factor:
+        return None
+    placements = list(x.placements)
+    placements[axis] = Shard(dim)
+    shape = list(x.shape)
+    shape[dim] //= parts
+    return tuple(DTensor.from_local(piece, x.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                                    stride=x.stride())
+                 for piece in x.to_local().chunk(parts, dim=dim))
 
 
 def _check_attention_dropout(args: tuple, kwargs: dict, mesh) -> None:

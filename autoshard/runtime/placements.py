@@ -52,8 +52,14 @@ def activation_dim(placement: str, shape: Sequence[int], *, is_index: bool = Fal
     raise ValueError(f"{placement!r} is not an activation shard placement; allowed: {BATCH}, {SEQ}, {FEAT}")
 
 
-def activation_placements(layout: Layout, mesh_names: Sequence[str], tensor: torch.Tensor) -> tuple[Placement, ...]:
-    """Placements of activation `tensor` (global shape) laid out as `layout` on a mesh with `mesh_names`."""
+def activation_placements(layout: Layout, mesh_names: Sequence[str], tensor: torch.Tensor, *,
+                          fused: int = 1) -> tuple[Placement, ...]:
+    """Placements of activation `tensor` (global shape) laid out as `layout` on a mesh with `mesh_names`.
+
+    `fused` > 1 marks the output of a fused projection (GPT-2's c_attn: q, k and v side by side in the
+    feature dim): `S(feat)` then shards each of the `fused` parts, so every rank holds [q_r, k_r, v_r]
+    (`_StridedShard`, Megatron-LM's layout of a fused QKV weight) and splitting it costs nothing.
+    """
     out: list[Placement] = []
     is_index = not (tensor.is_floating_point() or tensor.is_complex())
     for axis in mesh_names:
@@ -64,7 +70,12 @@ def activation_placements(layout: Layout, mesh_names: Sequence[str], tensor: tor
             out.append(Partial())
         else:
             dim = activation_dim(pl, tensor.shape, is_index=is_index)
-            out.append(Replicate() if dim is None else Shard(dim))
+            if dim is None:
+                out.append(Replicate())
+            elif pl == FEAT and fused > 1:
+                out.append(_StridedShard(dim, split_factor=fused))
+            else:
+                out.append(Shard(dim))
     return tuple(out)
 
 
@@ -86,9 +97,11 @@ def param_dim(placement: str, module: nn.Module, param_name: str, ndim: int) -> 
 
 
 def param_placements(layout: Layout, mesh_names: Sequence[str], module: nn.Module, param_name: str, ndim: int,
-                     *, degrees: Sequence[int] | None = None, compute: Layout | None = None) -> tuple[Placement, ...]:
+                     *, degrees: Sequence[int] | None = None, compute: Layout | None = None,
+                     fused: int = 1) -> tuple[Placement, ...]:
     """Placements of parameter `param_name` of `module` laid out as `layout`; the dp axis is replicated here
-    (FSDP2 shards it afterwards from the op's `zero` level).
+    (FSDP2 shards it afterwards from the op's `zero` level). `fused` > 1: `S(out)` shards each of the `fused`
+    parts of the output features (see `activation_placements`).
 
     For a storage layout, pass the `compute` layout and the mesh `degrees`: an axis that shards a dim only
     for storage (all-gathered before use, e.g. tp_x of a 3D weight stored x:S(out), y:S(out)) is made the
@@ -110,5 +123,7 @@ def param_placements(layout: Layout, mesh_names: Sequence[str], module: nn.Modul
                 if later in (OUT, IN) and param_dim(later, module, param_name, ndim) == dim \
                         and compute.get(mesh_names[j]) == later:
                     split *= degrees[j]
+        if pl == OUT and fused > 1:
+            split *= fused
         out.append(_StridedShard(dim, split_factor=split) if split > 1 else Shard(dim))
     return tuple(out)

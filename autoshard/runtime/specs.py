@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from autoshard.capture.ir import OpGraph
+from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.errors import PlanFileError
-from autoshard.planner.layouts import Layout
+from autoshard.planner.layouts import FEAT, Layout
 from autoshard.planner.plan import OpPlan, ParamPlacement, Plan
 
 __all__ = ["ModuleSpec", "module_specs", "param_owners"]
@@ -41,6 +41,7 @@ class ModuleSpec:
     zero: int = 0
     split: int = 1
     regather: bool = False  # save_sharded_input: gather inside a checkpoint, again in backward
+    fused: int = 1  # > 1: a fused projection whose output one attention op splits into this many parts
 
 
 def _is_module_call(op_plan: OpPlan, leaves: set[str]) -> bool:
@@ -102,6 +103,21 @@ def _output_layout(graph, by_op, consumers, producer, module_ops: dict[str, OpPl
     return None
 
 
+def _fused_parts(graph: OpGraph, op_plan: OpPlan, consumers: list[str]) -> int:
+    """How many parts an attention op takes from this Linear's output (3 for GPT-2's c_attn: q, k, v), when
+    the output is feature-sharded on a tensor-parallel axis and its weights are used where they are stored."""
+    st = op_plan.strategy
+    if op_plan.kind != "linear" or not any(p == FEAT and a != "dp" for a, p in st.output.items):
+        return 1
+    if any(pp.compute != pp.storage for pp in st.params):
+        return 1  # 2D / 3D weights: DTensor splits the gathered output itself
+    for name in consumers:
+        consumer = graph.op(name)
+        if consumer.kind is OpKind.ATTENTION and consumer.inputs.count(op_plan.op) > 1:
+            return consumer.inputs.count(op_plan.op)
+    return 1
+
+
 def module_specs(plan: Plan, graph: OpGraph, model: nn.Module) -> dict[str, ModuleSpec]:
     """module path -> ModuleSpec for every planned leaf-module op of `model` (the first call of a module)."""
     if plan.fingerprint and plan.fingerprint != graph.fingerprint():
@@ -129,7 +145,7 @@ def module_specs(plan: Plan, graph: OpGraph, model: nn.Module) -> dict[str, Modu
             path=op_plan.module, op=name, kind=op_plan.kind, inputs=st.inputs,
             output=_output_layout(graph, by_op, consumers.get(name, []), name, module_ops),
             params=_local_params(model, module, op_plan), zero=st.zero, split=st.split,
-            regather=st.save_sharded_input)
+            regather=st.save_sharded_input, fused=_fused_parts(graph, op_plan, consumers.get(name, [])))
     _warn_unhooked(plan, module_ops)
     return specs
 

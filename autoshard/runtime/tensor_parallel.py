@@ -33,10 +33,11 @@ from autoshard.runtime.dtensor_ext import SPMDMode, redistribute
 from autoshard.runtime.placements import activation_placements, param_placements
 from autoshard.runtime.specs import ModuleSpec, param_owners
 
-__all__ = ["distribute_parameters", "ModuleRuntime", "install_module_runtimes", "redistribute_activation"]
+__all__ = ["distribute_parameters", "ModuleRuntime", "install_module_runtimes", "redistribute_activation",
+           "param_layouts"]
 
 
-def redistribute_activation(x, layout: Layout | None, mesh_names, *, output: bool = False) -> object:
+def redistribute_activation(x, layout: Layout | None, mesh_names, *, output: bool = False, fused: int = 1) -> object:
     """DTensor `x` laid out as `layout` (None: as it is). Non-DTensors pass through.
 
     A module's *output* always goes through `dtensor_ext.redistribute`, even as a no-op, for the gradient
@@ -46,23 +47,38 @@ def redistribute_activation(x, layout: Layout | None, mesh_names, *, output: boo
     """
     if not isinstance(x, DTensor):
         return x
-    target = tuple(x.placements) if layout is None else activation_placements(layout, mesh_names, x)
+    target = tuple(x.placements) if layout is None else activation_placements(layout, mesh_names, x, fused=fused)
     if not output and target == tuple(x.placements):
         return x
     return redistribute(x, target)
 
 
+def param_layouts(spec: ModuleSpec, module: nn.Module, local: str, mesh: DeviceMesh) -> tuple[tuple, tuple]:
+    """(storage, compute) placements of parameter `local` of the module `spec` describes.
+
+    A fused projection's bias (1-D, sharded part by part) cannot also be sharded over dp by FSDP2: the two
+    strided shards of one dim compose into a layout DTensor cannot describe, and `full_tensor()` / checkpoints
+    of it come out scrambled. Under ZeRO > 0 it is therefore stored plainly sharded (what the plan's S(out)
+    says) and brought to the part-by-part layout for each use (3H / tp values; its gradient back likewise).
+    """
+    pp = spec.params[local]
+    ndim = module._parameters[local].dim()
+    names, degrees = mesh.mesh_dim_names, tuple(mesh.shape)
+    plain_bias = ndim == 1 and spec.zero > 0 and "dp" in names
+    storage = param_placements(pp.storage, names, module, local, ndim, degrees=degrees, compute=pp.compute,
+                               fused=1 if plain_bias else spec.fused)
+    compute = param_placements(pp.compute, names, module, local, ndim, fused=spec.fused)
+    return storage, compute
+
+
 def _storage_of(specs: dict[str, ModuleSpec], model: nn.Module, mesh: DeviceMesh) -> dict[int, tuple[tuple, str]]:
     """id(parameter) -> (storage placements, op that asked), checking tied uses agree."""
     storage: dict[int, tuple[tuple, str]] = {}
-    names, degrees = mesh.mesh_dim_names, tuple(mesh.shape)
     for spec in specs.values():
         module = model.get_submodule(spec.path)
         for local, pp in spec.params.items():
-            param = module._parameters[local]
-            placements = param_placements(pp.storage, names, module, local, param.dim(), degrees=degrees,
-                                          compute=pp.compute)
-            prev = storage.setdefault(id(param), (placements, spec.op))
+            placements = param_layouts(spec, module, local, mesh)[0]
+            prev = storage.setdefault(id(module._parameters[local]), (placements, spec.op))
             if prev[0] != placements:
                 raise PlanFileError(f"parameter {pp.name} is stored as {prev[0]} by op {prev[1]} but as "
                                     f"{placements} by op {spec.op}; a tied parameter needs one storage layout")
@@ -103,10 +119,10 @@ class ModuleRuntime:
         self.names = mesh.mesh_dim_names
         self.compute: Callable = functools.partial(type(module).forward, module)  # norms/splits replace it
         self.compute_placements: dict[str, tuple[Placement, ...]] = {}
-        for local, pp in spec.params.items():
-            if pp.compute != pp.storage:
-                dim = module._parameters[local].dim()
-                self.compute_placements[local] = param_placements(pp.compute, self.names, module, local, dim)
+        for local in spec.params:
+            storage, compute = param_layouts(spec, module, local, mesh)
+            if storage != compute:
+                self.compute_placements[local] = compute
 
     def _replicated(self, x):
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
@@ -132,7 +148,8 @@ class ModuleRuntime:
                     return self.compute(*a, **kw)
 
         out = checkpoint(run, *tensors, use_reentrant=False) if self.spec.regather else run(*tensors)
-        return pytree.tree_map(lambda y: redistribute_activation(y, self.spec.output, self.names, output=True), out)
+        return pytree.tree_map(lambda y: redistribute_activation(y, self.spec.output, self.names, output=True,
+                                                                 fused=self.spec.fused), out)
 
 
 def install_module_runtimes(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> dict[str, ModuleRuntime]:

@@ -29,6 +29,7 @@ CHECKS = {
     "outputs-1d": ("outputs", "gpt2", "megatron", {"tp": 2}, {}),
     "outputs-split": ("outputs", "gpt2", "replicate", {"dp": 2}, _SPLIT),
     "comm-1d": ("comm", "llama", "megatron", {"tp": 2}, {}),
+    "comm-1d-fused-qkv": ("comm", "gpt2", "megatron", {"tp": 2}, {}),
     "comm-dp": ("comm", "mlp", "replicate", {"dp": 2}, {}),
     "comm-zero3": ("comm", "mlp", "replicate", {"dp": 2}, {"zero": 3}),
     "wrong-world": ("wrong_world", "mlp", "replicate", {"dp": 4}, {}),
@@ -78,6 +79,14 @@ def test_megatron_step_sends_exactly_megatrons_collectives():
     # block and of the head (5); the logits are gathered once for the caller
     for r in _results()["comm-1d"]:
         assert r == {"all_gather": LOGIT_BYTES, "all_reduce": 10 * ACT_BYTES}
+
+
+@pytest.mark.timeout(400)
+def test_fused_qkv_is_split_by_heads_without_communication():
+    # GPT-2's c_attn holds q, k and v side by side: stored part by part, split locally. Same collectives as
+    # Llama's separate projections, plus the position embedding's all-reduce (1, S, H) in forward.
+    for r in _results()["comm-1d-fused-qkv"]:
+        assert r == {"all_gather": LOGIT_BYTES, "all_reduce": 10 * ACT_BYTES + 16 * 64 * 4}
 
 
 @pytest.mark.timeout(400)
