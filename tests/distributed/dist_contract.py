@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from dist_checks import loss_of
 from dist_models import build, example_batch
@@ -52,6 +54,24 @@ def _comm(case: dict) -> dict:
     return measure_step_comm(step)
 
 
+def _padded(case: dict) -> float:
+    """Largest logit difference to the single-process model at the non-padded positions of a batch with
+    left- and right-padded sequences: the model builds a (B, 1, S, S) mask, which must be sharded like the
+    attention's batch / heads."""
+    model = build(case["model"])
+    ref = copy.deepcopy(model)
+    pmodel = apply_plan(model, case["plan"], graph=case["graph"], mesh=build_device_mesh(case["plan"].mesh))
+    ids, _ = example_batch(case["model"], case["batch"])
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    mask[2, 11:] = 0  # right padding
+    want = ref(ids, attention_mask=mask).logits
+    local_ids, local_mask, local_want = pmodel.shard_inputs((ids, mask, want))
+    got = pmodel(local_ids, attention_mask=local_mask).logits
+    keep = local_mask.bool()
+    return (got - local_want)[keep].abs().max().item()
+
+
 def _wrong_world(case: dict) -> str:
     try:
         build_device_mesh(case["plan"].mesh)
@@ -60,7 +80,7 @@ def _wrong_world(case: dict) -> str:
     return "no error"
 
 
-_CHECKS = {"outputs": _outputs_and_names, "comm": _comm, "wrong_world": _wrong_world}
+_CHECKS = {"outputs": _outputs_and_names, "comm": _comm, "wrong_world": _wrong_world, "padded": _padded}
 
 
 def contract_checks(rank: int, world: int, cases: list[dict]) -> list[dict]:

@@ -33,6 +33,9 @@ CHECKS = {
     "comm-dp": ("comm", "mlp", "replicate", {"dp": 2}, {}),
     "comm-zero3": ("comm", "mlp", "replicate", {"dp": 2}, {"zero": 3}),
     "wrong-world": ("wrong_world", "mlp", "replicate", {"dp": 4}, {}),
+    "padded-dp": ("padded", "llama", "replicate", {"dp": 2}, {}),
+    "padded-1d": ("padded", "llama", "megatron", {"tp": 2}, {}),
+    "padded-1d-gpt2": ("padded", "gpt2", "megatron", {"tp": 2}, {}),
 }
 
 
@@ -105,3 +108,9 @@ def test_zero3_step_gathers_parameters_in_forward_and_backward_and_reduce_scatte
 def test_plan_for_another_world_size_fails_on_every_rank_with_a_runtime_setup_error():
     for message in _results()["wrong-world"]:
         assert "needs 4 ranks but this job has 2" in message
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case_id", ["padded-dp", "padded-1d", "padded-1d-gpt2"])
+def test_padded_batches_match_single_process_where_tokens_are_real(case_id):
+    assert max(_results()[case_id]) <= 1e-5
