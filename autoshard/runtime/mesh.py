@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autoshard.errors import RuntimeSetupError
 from autoshard.planner.layouts import MeshSpec
 
-__all__ = ["init_distributed", "build_device_mesh", "backend_for", "DEFAULT_TIMEOUT_S", "tp_mesh_names"]
+__all__ = ["init_distributed", "build_device_mesh", "backend_for", "DEFAULT_TIMEOUT_S", "tp_mesh_names",
+           "tensor_parallel_mesh"]
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +93,14 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu") -> DeviceMesh
 
 def tp_mesh_names(mesh: DeviceMesh) -> tuple[str, ...]:
     return tuple(n for n in (mesh.mesh_dim_names or ()) if n.startswith("tp"))
+
+
+def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The tensor-parallel sub-mesh as one dim named "tp": `mesh["tp"]`, or the 2D / 3D axes flattened (the
+    group a 1D operator spans on a 2D / 3D mesh). None without tensor-parallel axes."""
+    names = tp_mesh_names(mesh)
+    if not names:
+        return None
+    if names == ("tp",):
+        return mesh["tp"]
+    return mesh[names]._flatten("tp")

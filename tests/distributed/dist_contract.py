@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.errors import RuntimeSetupError
 from autoshard.runtime import apply_plan, build_device_mesh, measure_step_comm
+from autoshard.runtime.mesh import tensor_parallel_mesh
 
 __all__ = ["contract_checks"]
 
@@ -72,6 +73,12 @@ def _padded(case: dict) -> float:
     return (got - local_want)[keep].abs().max().item()
 
 
+def _sub_meshes(case: dict) -> dict:
+    mesh = build_device_mesh(case["plan"].mesh)
+    tp = tensor_parallel_mesh(mesh)
+    return {"tp_size": tp.size(), "tp_names": tp.mesh_dim_names, "dp_size": mesh["dp"].size()}
+
+
 def _wrong_world(case: dict) -> str:
     try:
         build_device_mesh(case["plan"].mesh)
@@ -80,7 +87,8 @@ def _wrong_world(case: dict) -> str:
     return "no error"
 
 
-_CHECKS = {"outputs": _outputs_and_names, "comm": _comm, "wrong_world": _wrong_world, "padded": _padded}
+_CHECKS = {"outputs": _outputs_and_names, "comm": _comm, "wrong_world": _wrong_world, "padded": _padded,
+           "sub_meshes": _sub_meshes}
 
 
 def contract_checks(rank: int, world: int, cases: list[dict]) -> list[dict]:

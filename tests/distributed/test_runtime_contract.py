@@ -34,6 +34,7 @@ CHECKS = {
     "comm-zero3": ("comm", "mlp", "replicate", {"dp": 2}, {"zero": 3}),
     "wrong-world": ("wrong_world", "mlp", "replicate", {"dp": 4}, {}),
     "padded-dp": ("padded", "llama", "replicate", {"dp": 2}, {}),
+    "sub-meshes": ("sub_meshes", "mlp", "3d", {"dp": 1, "tp_x": 1, "tp_y": 2, "tp_z": 1}, {}),
     "padded-1d": ("padded", "llama", "megatron", {"tp": 2}, {}),
     "padded-1d-gpt2": ("padded", "gpt2", "megatron", {"tp": 2}, {}),
 }
@@ -114,3 +115,9 @@ def test_plan_for_another_world_size_fails_on_every_rank_with_a_runtime_setup_er
 @pytest.mark.parametrize("case_id", ["padded-dp", "padded-1d", "padded-1d-gpt2"])
 def test_padded_batches_match_single_process_where_tokens_are_real(case_id):
     assert max(_results()[case_id]) <= 1e-5
+
+
+@pytest.mark.timeout(400)
+def test_tensor_parallel_sub_mesh_flattens_the_2d_and_3d_axes():
+    for r in _results()["sub-meshes"]:
+        assert r == {"tp_size": 2, "tp_names": ("tp",), "dp_size": 1}
