@@ -62,3 +62,16 @@ def example_batch(name: str, batch: int, seed: int = 1) -> tuple[torch.Tensor, t
         return torch.randn(batch, 16, generator=g), torch.randn(batch, 16, generator=g)
     ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
     return ids, torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+
+
+def tiny_neox() -> nn.Module:
+    """Not in the zoo: GPT-NeoX (fused QKV laid out per head, partial rotary, parallel residual)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(num_hidden_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, intermediate_size=128,
+                        vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False, hidden_dropout=0.0,
+                        attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    return GPTNeoXForCausalLM(cfg)
+
+
+MODELS["neox"] = tiny_neox

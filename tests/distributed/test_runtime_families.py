@@ -48,6 +48,8 @@ CASES["mlp-3d"] = (8, "mlp", "3d", {"tp_x": 2, "tp_y": 2, "tp_z": 2}, {})
 # Qwen2 is not in the zoo (RMSNorm, rotary, biased q/k/v, grouped-query attention with 2 kv heads): it goes
 # through the public entry point, which loads the plan from a file and captures the graph on every rank.
 CASES["qwen2-dp-1d-public-api"] = (4, "qwen2", "megatron", {"dp": 2, "tp": 2}, {"zero": 2})
+# GPT-NeoX: not in the zoo either; its fused QKV is laid out per head (split after a view), parallel residual
+CASES["neox-1d"] = (2, "neox", "megatron", {"tp": 2}, {})
 
 
 @functools.cache
