@@ -19,7 +19,7 @@ def test_estimate_json_has_the_documented_keys():
               "--tp", "2", "--dp", "4", "--micro-batch", "2", "--global-batch", "64", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert KEYS <= data.keys()
+    assert data.keys() >= KEYS
     assert set(data["memory_gib"]) == {"params", "grads", "optimizer", "activations", "transient", "other", "total"}
     assert {"compute", "exposed_comm", "bubble"} <= data["breakdown_s"].keys()
     assert data["tokens_per_s"] == pytest.approx(64 * 512 / data["iteration_time_s"])

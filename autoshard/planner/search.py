@@ -29,7 +29,7 @@ from autoshard.planner.evaluate import (
 from autoshard.planner.ilp import build_problem, consumer_key, expand_assignment, relaxation_bound, solve
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.opcost import edge_cost, op_cost
-from autoshard.planner.plan import OpStrategy, PipelineSpec
+from autoshard.planner.plan import SCHEDULES, OpStrategy, PipelineSpec
 from autoshard.planner.stages import balanced_stage_layers
 from autoshard.planner.strategies import strategies_for
 from autoshard.planner.template import template_for
@@ -105,16 +105,20 @@ def _tp_meshes(gpn: int, heads: int, space: frozenset[str]) -> list[dict[str, in
     return out
 
 
-def _pipelines(graph: OpGraph, pp: int, space: frozenset[str], m: int) -> list[PipelineSpec]:
+def _pipelines(graph: OpGraph, pp: int, space: frozenset[str], m: int,
+               schedules: frozenset[str]) -> list[PipelineSpec]:
     layers = graph.num_layers
     if pp == 1:
         out = [PipelineSpec()]
-        if "zero" in space and m > 1:  # layered gradient accumulation alone (Lamy-Poirier 2021 §3)
+        if "zero" in space and m > 1 and "looped-bfs" in schedules:
+            # layered gradient accumulation alone (Lamy-Poirier 2021 §3)
             out.append(PipelineSpec(schedule="looped-bfs", layered=True))
         return out
     pre, block, post = block_costs(graph)
     specs = []
     for schedule, vs in (("1f1b", (1,)), ("interleaved-1f1b", (2, 3, 4)), ("looped-bfs", (2, 4))):
+        if schedule not in schedules:
+            continue
         for v in vs:
             if layers < pp * v:
                 continue
@@ -125,7 +129,8 @@ def _pipelines(graph: OpGraph, pp: int, space: frozenset[str], m: int) -> list[P
 
 
 def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str],
-                         cap_bytes: float) -> tuple[list[Candidate], int]:
+                         cap_bytes: float, schedules: frozenset[str] = frozenset(SCHEDULES)
+                         ) -> tuple[list[Candidate], int]:
     """(candidates that may fit, number pruned by the memory bound), sorted by time bound."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
     prec = default_precision(cluster)
@@ -145,7 +150,7 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
             batch_shard = tp.get("tp_r", 1) * tp.get("tp_x", 1) * tp.get("tp_z", 1)
             for b in _micro_batches(global_batch, dp, batch_shard):
                 m = global_batch // (dp * b)
-                for pipe in _pipelines(graph, pp, space, m):
+                for pipe in _pipelines(graph, pp, space, m, schedules):
                     for rc in recomputes:
                         inflight = inflight_microbatches(0, pipe, m)
                         mem = memory_lower_bound_bytes(graph, prec, tp_degree=tdeg, pp=pp, dp=dp, max_zero=max_zero,
@@ -203,11 +208,13 @@ def _strategies(graph: OpGraph, cand: Candidate, space, cache) -> dict[str, list
 
 
 def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] = frozenset(SPACE),
+           schedules: frozenset[str] = frozenset(SCHEDULES),
            cap_bytes: float | None = None, time_limit_s: float = 20.0, budget_s: float = 120.0,
            progress: Callable[[str], None] | None = None) -> SearchResult:
     """Best plan over the space; raises InfeasiblePlanError with the smallest memory any plan needs."""
     cap = cap_bytes if cap_bytes is not None else cluster.device_memory_bytes
-    cands, pruned = enumerate_candidates(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap)
+    cands, pruned = enumerate_candidates(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap,
+                                         schedules=schedules)
     t0 = time.perf_counter()
     best: SearchResult | None = None
     solved, cache = 0, {}
