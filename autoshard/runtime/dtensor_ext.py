@@ -1,4 +1,4 @@
-"""What DTensor needs to run unmodified models: CPU attention rules and function-level implicit replication.
+"""What DTensor needs to run unmodified models, and the runtime's one redistribution primitive.
 
 1. `aten._scaled_dot_product_flash_attention_for_cpu` (what `F.scaled_dot_product_attention` runs on CPU) has
    no DTensor sharding rule in torch 2.13 (the CUDA flash / efficient / cuDNN kernels do). We register one
@@ -12,6 +12,10 @@
    - aligns an attention mask with the query's sharding before `F.scaled_dot_product_attention`: DTensor
      never redistributes keyword arguments (`attn_mask` is keyword-only in the ATen op), so the mask must
      arrive sharded like q on every mesh dim where it is not a broadcast dim.
+   - splits a fused projection's output (GPT-2's c_attn: q, k, v side by side, stored part by part as
+     `_StridedShard`) into its parts locally; DTensor would all-gather any split of a sharded dim.
+3. `redistribute`: `DTensor.redistribute` with the backward the plan needs (gradient placements fixed at every
+   module boundary, dp partial sums left to FSDP); see its docstring.
 """
 
 from __future__ import annotations
