@@ -179,7 +179,19 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
                  f"candidates ({result.pruned_memory} pruned by the memory bound)")
     if args.output:
         lines.append(f"plan written to  {args.output}")
+    if args.plot:
+        lines.append(f"picture written  {args.plot}")
     return lines
+
+
+def _cluster_or_none(text: str):
+    """The plan's cluster for drawing capacity and nodes, if it still parses (a YAML file may be gone)."""
+    from autoshard.hardware_profiles import ClusterSpec
+
+    try:
+        return ClusterSpec.parse(text)
+    except AutoshardError:
+        return None
 
 
 def _cmd_explain(args) -> int:
@@ -191,9 +203,9 @@ def _cmd_explain(args) -> int:
     if args.plot:
         from autoshard.plotting import plot_plan
 
-        plot_plan(plan, {}, None, args.plot)
+        plot_plan(plan, {}, _cluster_or_none(plan.cluster), args.plot)
         data["plot"] = args.plot
-    _emit(args, data, explain_text(plan))
+    _emit(args, data, explain_text(plan) + (f"\npicture written to {args.plot}" if args.plot else ""))
     return 0
 
 

@@ -41,7 +41,7 @@ def capture(model: nn.Module, example_inputs: tuple, *, name: str | None = None)
         example_inputs = (example_inputs,)
     exported = export_model(model, example_inputs)
     coarse = coarsen(exported, model)
-    ops, blocks = find_blocks(coarse.ops)
+    ops, blocks = find_blocks(_mark_shared(coarse.ops))
     seq = _seq_len(ops)
     graph = OpGraph(model_name=name or type(model).__name__, ops=ops, blocks=blocks, seq_len=seq,
                     outputs=coarse.outputs, unknown_ops=coarse.unknown, tied_params=_tied_params(model),
@@ -51,6 +51,20 @@ def capture(model: nn.Module, example_inputs: tuple, *, name: str | None = None)
     log.info("captured %s: %d ops, %d params, %.1f s", graph.model_name, len(ops), graph.num_params,
              graph.capture_s)
     return graph
+
+
+def _mark_shared(ops: tuple[Op, ...]) -> tuple[Op, ...]:
+    """A parameter used by several ops (tied embedding and LM head) is owned by the first: only there does it
+    count for memory and gradient synchronization."""
+    seen: set[str] = set()
+    out = []
+    for op in ops:
+        params = []
+        for p in op.params:
+            params.append(p if p.name not in seen else replace(p, owner=False))
+            seen.add(p.name)
+        out.append(replace(op, params=tuple(params)) if params != list(op.params) else op)
+    return tuple(out)
 
 
 def _seq_len(ops: tuple[Op, ...]) -> int | None:

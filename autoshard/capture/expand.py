@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from autoshard.capture.ir import BlockGroup, Op, OpGraph, ParamMeta
+from autoshard.capture.ir import BlockGroup, Op, OpGraph
 
 __all__ = ["expand_blocks"]
 
@@ -30,7 +30,7 @@ def _shift(op: Op, prefix: str, k: int) -> Op:
 
     return replace(op, name=own(op.name), module_path=own(op.module_path), layer=k,
                    inputs=tuple(ref(n) for n in op.inputs),
-                   params=tuple(ParamMeta(name=own(p.name), shape=p.shape, dtype=p.dtype) for p in op.params))
+                   params=tuple(replace(p, name=own(p.name)) for p in op.params))
 
 
 def expand_blocks(graph: OpGraph, num_layers: int) -> OpGraph:

@@ -74,6 +74,7 @@ class ParamMeta:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    owner: bool = True  # False in every op but the first that uses a shared (tied) parameter
 
     @property
     def numel(self) -> int:

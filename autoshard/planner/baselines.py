@@ -53,10 +53,21 @@ class _Best:
     def __init__(self) -> None:
         self.pred: Prediction | None = None
         self.config = ""
+        self.tried = 0  # configurations priced (0: none divides the batch / GPUs)
+        self.smallest = float("inf")  # least memory any of them needed
 
     def offer(self, pred: Prediction, config: str, cap: float) -> None:
+        self.tried += 1
+        self.smallest = min(self.smallest, pred.memory.total_bytes)
         if pred.memory.total_bytes <= cap and (self.pred is None or pred.iteration_time_s < self.pred.iteration_time_s):
             self.pred, self.config = pred, config
+
+    def note(self, cap: float) -> str:
+        if self.pred is not None:
+            return ""
+        if self.tried == 0:
+            return "no configuration of this family divides the GPUs and the global batch"
+        return f"does not fit: needs {self.smallest / 2**30:.1f} GiB per GPU, cap {cap / 2**30:.1f} GiB"
 
     def bound(self) -> float:
         return self.pred.iteration_time_s if self.pred else math.inf
@@ -182,8 +193,6 @@ def _family_strategies(graph, mesh, b, names):
         cands = [s for s in strategies_for(op, mesh, b, zero_options=(0,)) if s.split == 1]
         if op.kind.value in ("linear", "conv"):
             cands = [s for s in cands if s.name in names] or [s for s in cands if s.name == "replicate"]
-        elif op.kind.value == "embedding":
-            cands = [s for s in cands if s.name == "replicate"]
         if not cands:
             return None
         out[op.name] = cands
@@ -204,6 +213,5 @@ def compute_baselines(graph: OpGraph, cluster, *, global_batch: int, cap_bytes: 
             best = _megatron(graph, cluster, global_batch, cap_bytes, pipelines=True)
         else:
             best = _tensor_family(graph, cluster, global_batch, cap_bytes, name)
-        note = "" if best.pred else "no configuration of this family fits in memory (or divides the batch)"
-        out[name] = Baseline(name=name, prediction=best.pred, config=best.config, note=note)
+        out[name] = Baseline(name=name, prediction=best.pred, config=best.config, note=best.note(cap_bytes))
     return out

@@ -94,8 +94,8 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     plan = Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
                 global_batch=cfg.global_batch, micro_batch=cfg.micro_batch, seq=graph.seq_len,
                 recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",),
-                ops=tuple(OpPlan(op=name, module=graph.op(name).module_path, kind=graph.op(name).kind.value,
-                                 layer=graph.op(name).layer, strategy=st,
-                                 time_s=ev.op_costs[name].time_s, memory_bytes=ev.op_costs[name].state_bytes)
-                          for name, st in assign.items()))
+                ops=tuple(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer,
+                                 strategy=assign[op.name], time_s=ev.op_costs[op.name].time_s,
+                                 memory_bytes=ev.op_costs[op.name].state_bytes)
+                          for op in graph.ops if op.name in assign))
     return plan, ev

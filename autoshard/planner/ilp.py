@@ -38,12 +38,14 @@ any plan in this configuration needs, reported when the cap is infeasible.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import pulp
 
 from autoshard.capture.ir import OpGraph
+from autoshard.cost_models.breakdown import GIB
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
 from autoshard.planner.context import PlanContext
 from autoshard.planner.evaluate import (
@@ -220,10 +222,11 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
 
 
 def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize):
-    """Per-stage memory as (terms, constant); adds the cap constraints unless minimizing."""
+    """Per-stage memory in GiB as (terms, constant); adds the cap constraints unless minimizing. Rows are in
+    GiB, not bytes: coefficients of 1e10 next to times of 1e-3 s make the solver's tolerances misjudge them."""
     exprs = []
     groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
-    other = framework_overhead_bytes(groups)
+    other = framework_overhead_bytes(groups) / GIB
     for k in range(pipe.degree):
         inflight = inflight_microbatches(k, pipe, ctx.num_microbatches)
         R = _var(lp, f"R_{k}", lowBound=0)
@@ -234,12 +237,13 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize):
                 continue
             for i, c in enumerate(costs[op.name]):
                 v = x[StratVar(op.name, i)]
-                terms.append((v, n * (c.state_bytes + inflight * c.saved_bytes) + c.recompute_peak_bytes))
+                terms.append((v, (n * (c.state_bytes + inflight * c.saved_bytes) + c.recompute_peak_bytes) / GIB))
                 if c.transient_bytes:
-                    lp += pulp.LpConstraint(_aff([(R, 1.0), (v, -c.transient_bytes)]), pulp.LpConstraintGE, rhs=0)
+                    lp += pulp.LpConstraint(_aff([(R, 1.0), (v, -c.transient_bytes / GIB)]), pulp.LpConstraintGE,
+                                            rhs=0)
         exprs.append((terms, other))
-        if not minimize:
-            lp += pulp.LpConstraint(_aff(terms), pulp.LpConstraintLE, rhs=cap_bytes - other)
+        if not minimize and math.isfinite(cap_bytes):
+            lp += pulp.LpConstraint(_aff(terms), pulp.LpConstraintLE, rhs=cap_bytes / GIB - other)
     return exprs
 
 

@@ -147,7 +147,10 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext):
     ins = st.inputs[0] if st.inputs else st.output
     tokens_sharded = set(_axes(ins, _TOKEN))
     for pp in st.params:
-        numel = next(p.numel for p in op.params if p.name == pp.name)
+        meta = next(p for p in op.params if p.name == pp.name)
+        if not meta.owner:  # a tied parameter is held, synchronized and gathered by its owner op
+            continue
+        numel = meta.numel
         local = numel / _deg(pp.storage, ctx, (OUT, IN))
         at_compute = numel / _deg(pp.compute, ctx, (OUT, IN))
         p, g, o = model_state_bytes(local, prec, zero=st.zero, dp=dp)

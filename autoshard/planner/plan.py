@@ -230,6 +230,9 @@ class Plan:
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text + "\n")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a plan is an ordinary file
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

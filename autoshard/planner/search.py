@@ -337,9 +337,17 @@ def _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prep
     return SearchResult(assignment=assign, candidate=cand, evaluation=ev, solve_time_s=sol.solve_time_s)
 
 
-def _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned) -> InfeasiblePlanError:
-    """The smallest memory any plan needs, over the configurations with the lowest memory bounds."""
+def _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned):
+    """The smallest memory any plan needs, over the configurations with the lowest memory bounds; or, when the
+    space has no configuration at all for this cluster and batch, say that instead."""
     everything, _ = enumerate_candidates(graph, cluster, global_batch=global_batch, space=space, cap_bytes=math.inf)
+    if not everything:
+        from autoshard.errors import ConfigurationError
+
+        return ConfigurationError(
+            f"no configuration of --space {','.join(sorted(space))} uses all {cluster.num_gpus} GPUs of {cluster} "
+            f"with global batch {global_batch}; widen --space (data parallelism: dp or zero) or use a global batch "
+            f"divisible by the data-parallel degree")
     everything.sort(key=lambda c: c.memory_lb_bytes)
     best = math.inf
     for cand in everything[:8]:
@@ -350,7 +358,7 @@ def _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned) 
                                 minimize_memory=True)
         sol = solve(problem, time_limit_s=10.0)
         if sol.status != "infeasible":
-            best = min(best, sol.objective)
+            best = min(best, sol.objective * 2**30)  # the ILP counts memory in GiB
     need = f"{best / 2**30:.1f} GiB" if math.isfinite(best) else "more than any configuration allows"
     return InfeasiblePlanError(
         f"no plan fits {cap / 2**30:.1f} GiB per GPU on {cluster}: the smallest plan needs {need}; raise "

@@ -58,6 +58,8 @@ def linear_tp_options(mesh: MeshSpec) -> list[TPOption]:
         TPOption("row", _lay(**every), _lay(**{a: IN for a in tp}), _lay(**{a: IN for a in tp}),
                  _lay(**{a: PARTIAL for a in tp})),
         TPOption("replicate", Layout(), Layout(), Layout(), Layout()),
+        # data parallel over the tensor-parallel axes: for a Linear that cannot be split (an odd vocabulary)
+        TPOption("batch", _lay(**{a: BATCH for a in tp}), Layout(), Layout(), _lay(**{a: BATCH for a in tp})),
     ]
     if tp == ("tp",):
         opts.insert(1, TPOption("col+sp", Layout(), _lay(tp=OUT), _lay(tp=OUT), _lay(tp=FEAT), True))
@@ -205,22 +207,44 @@ def _linear_strategies(op: Op, mesh: MeshSpec, micro_batch: int, zero_options) -
     return found
 
 
+_SWAP = {OUT: IN, IN: OUT}
+_EMBEDDING_NAME = {"col": "vocab", "col+sp": None, "row": "col"}  # what each Linear option is for a lookup
+
+
+def _mirror(lay: Layout) -> Layout:
+    return Layout(tuple((a, _SWAP.get(p, p)) for a, p in lay.items))
+
+
+def _embedding_options(mesh: MeshSpec) -> list[tuple[str, Layout, Layout, Layout, Layout]]:
+    """An embedding lookup is one-hot(ids) @ W with W (vocab, hidden): a Linear with its dims swapped. Each
+    Linear option gives one lookup option whose weight sits on the same tensor dims, so a tied embedding and
+    LM head can always agree: (name, ids layout, weight compute, weight storage, output layout)."""
+    out = []
+    for opt in linear_tp_options(mesh):
+        name = _EMBEDDING_NAME.get(opt.name, opt.name)
+        if name is None:
+            continue
+        w_c, w_s = _mirror(opt.w_compute), _mirror(opt.w_storage)
+        ids = _lay(**{a: BATCH for a, p in opt.input.items if p == BATCH})
+        res = {a: (PARTIAL if p == IN else FEAT) for a, p in w_c.items}
+        res.update({a: BATCH for a, p in ids.items})
+        out.append((name, ids, w_c, w_s, _lay(**res)))
+    return out
+
+
 def _embedding_strategies(op: Op, mesh: MeshSpec, micro_batch: int, zero_options) -> list[OpStrategy]:
-    tp = mesh.tp_axes
     w = op.params[0]
-    options = [("replicate", Layout(), Layout())]
-    if tp:
-        options.append(("vocab", _lay(**{a: IN for a in tp}), _lay(**{a: PARTIAL for a in tp})))
-        options.append(("col", _lay(**{a: OUT for a in tp}), _lay(**{a: FEAT for a in tp})))
     found = []
-    for name, wl, outl in options:
-        if not _param_dims_ok(w.shape, wl, mesh, 1, 0):
+    for name, ids_l, w_c, w_s, outl in _embedding_options(mesh):
+        if not (_param_dims_ok(w.shape, w_c, mesh, 1, 0) and _param_dims_ok(w.shape, w_s, mesh, 1, 0)):
             continue
         outl = with_dp(outl, mesh)
-        ids = with_dp(Layout(), mesh) if op.input_meta else Layout()
+        if not fits(op.output_meta, _resolve_partial(outl, REPLICATE), mesh, micro_batch):
+            continue
+        ids = with_dp(ids_l, mesh) if op.input_meta else Layout()
         for zero, split in dp_options(op, mesh, zero_options):
             found.append(OpStrategy(name=name, inputs=tuple(ids for _ in op.inputs), output=outl,
-                                    params=(ParamPlacement(name=w.name, compute=wl, storage=wl),),
+                                    params=(ParamPlacement(name=w.name, compute=w_c, storage=w_s),),
                                     zero=zero, split=split))
     return found
 

@@ -1,0 +1,267 @@
+"""The four source papers' headline claims, from autoshard's own cost model and planner.
+
+    python scripts/reproduce_papers.py [--json]
+
+For each claim: the configuration (model dims, GPUs per node, GPU and network profile, batch), both sides'
+predicted figures, the ratio, and how the ratio moves across the details the paper leaves open. Nothing here
+is tuned to these numbers; the cost model is validated on other measurements (benchmarks/published_validation.md).
+Writes benchmarks/papers.md and benchmarks/papers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+PAPERS = {
+    "optimus_2d_vs_1d": 1.48, "3d_vs_1d": 2.32, "3d_vs_2d": 1.57, "osdp_vs_fsdp_gpt2": 1.22,
+    "osdp_vs_fsdp_opt30b": 2.78, "lga_mpp_shortest_time": 2.0,
+}
+
+
+def _graph(spec: str):
+    from autoshard.capture import capture_model
+    from autoshard.models import load_model
+
+    return capture_model(load_model(spec))
+
+
+def _mesh(family: str, n: int):
+    from autoshard.planner.layouts import MeshSpec
+
+    if family == "1d":
+        return MeshSpec.of(tp=n), 1
+    q = round(n ** (1 / (2 if family == "2d" else 3)))
+    if family == "2d" and q * q == n:
+        return MeshSpec.of(tp_r=q, tp_c=q), q
+    if family == "3d" and q ** 3 == n:
+        return MeshSpec.of(tp_x=q, tp_y=q, tp_z=q), q * q
+    raise ValueError(f"{n} GPUs do not form a {family} grid")
+
+
+def _assignment(graph, family: str, mesh, b: int):
+    """Megatron 1D over every GPU, or every Linear 2D / 3D with the rest chosen by the ILP."""
+    from autoshard.planner.ilp import build_problem, extract_assignment, solve
+    from autoshard.planner.manual import megatron_assignment
+    from autoshard.planner.plan import PipelineSpec
+    from autoshard.planner.strategies import strategies_for
+    from autoshard.planner.template import template_for
+
+    if family == "1d":
+        return lambda ctx: megatron_assignment(graph, mesh, b)
+    names = ("2d",) if family == "2d" else ("3d-yz", "3d-zy")
+    tg, _ = template_for(graph, PipelineSpec())
+    strategies = {}
+    for op in tg.ops:
+        cands = [s for s in strategies_for(op, mesh, b, zero_options=(0,)) if s.split == 1]
+        if op.kind.value == "linear":
+            cands = [s for s in cands if s.name in names] or cands
+        strategies[op.name] = cands
+
+    def solve_for(ctx):
+        prob = build_problem(graph, ctx, PipelineSpec(), strategies, cap_bytes=math.inf)
+        sol = solve(prob, time_limit_s=10)
+        return extract_assignment(prob, sol) if sol.status != "infeasible" else None
+    return solve_for
+
+
+def tensor_family(graph, cluster, family: str, *, batch: int, recompute: str = "full"):
+    """Best micro-batch for `family` over all GPUs of `cluster` at global batch `batch`:
+    (Prediction or None, micro-batch)."""
+    from autoshard.planner.context import PlanContext, default_precision
+    from autoshard.planner.evaluate import evaluate
+    from autoshard.planner.plan import PipelineSpec
+
+    mesh, shard = _mesh(family, cluster.num_gpus)
+    best = (None, 0)
+    for b in (x for x in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if batch % x == 0 and x % shard == 0):
+        ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=b, num_microbatches=batch // b,
+                          precision=default_precision(cluster), recompute=recompute, seq=graph.seq_len)
+        assign = _assignment(graph, family, mesh, b)(ctx)
+        if assign is None:
+            continue
+        pred = evaluate(graph, assign, ctx, PipelineSpec(), global_batch=batch).prediction
+        if pred.memory.total_bytes <= cluster.device_memory_bytes and (
+                best[0] is None or pred.iteration_time_s < best[0].iteration_time_s):
+            best = (pred, b)
+    return best
+
+
+def max_batch(graph, cluster, family: str, recompute: str = "full") -> int:
+    """Largest batch processed at once (one micro-batch) that fits in memory."""
+    from autoshard.planner.context import PlanContext, default_precision
+    from autoshard.planner.evaluate import evaluate
+    from autoshard.planner.plan import PipelineSpec
+
+    mesh, shard = _mesh(family, cluster.num_gpus)
+    fits = 0
+    b = shard
+    while b <= 65536:
+        ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=b, num_microbatches=1,
+                          precision=default_precision(cluster), recompute=recompute, seq=graph.seq_len)
+        assign = _assignment(graph, family, mesh, b)(ctx)
+        if assign is None:
+            break
+        pred = evaluate(graph, assign, ctx, PipelineSpec(), global_batch=b).prediction
+        if pred.memory.total_bytes > cluster.device_memory_bytes:
+            break
+        fits, b = b, b * 2
+    return fits
+
+
+def _tensor_claims(out: dict) -> None:
+    from autoshard.hardware_profiles import ClusterSpec
+
+    # Optimus (Xu et al. 2021): 64 GPUs of TACC Frontera's RTX nodes (4 Quadro RTX 5000 per node, InfiniBand);
+    # its benchmark script: hidden 2048, 32 heads, batch 96, activation checkpointing. Not stated: layers and
+    # sequence length -> 24 layers, 512 tokens (BERT-Large depth and length); the sweep shows the others.
+    rtx = ClusterSpec.parse("16x4xRTX5000-16GB")
+    sweep = {}
+    for seq in (256, 512, 1024):
+        g = _graph(f"gpt:layers=24,hidden=2048,heads=32,seq={seq},vocab=50304,attn=eager")
+        p1, b1 = tensor_family(g, rtx, "1d", batch=96)
+        p2, b2 = tensor_family(g, rtx, "2d", batch=96)
+        sweep[f"seq={seq}"] = round(p2.tokens_per_s / p1.tokens_per_s, 2) if p1 and p2 else None
+        if seq == 512:
+            mb1, mb2 = max_batch(g, rtx, "1d"), max_batch(g, rtx, "2d")
+            out["optimus_2d_vs_1d"] = {
+                "paper": PAPERS["optimus_2d_vs_1d"], "ratio": sweep["seq=512"],
+                "config": {"model": "24 layers, hidden 2048, 32 heads, seq 512 (assumed), vocab 50304",
+                           "cluster": str(rtx), "gpus_per_node": 4, "batch": 96, "recompute": "full",
+                           "1d": "Megatron tp=64", "2d": "SUMMA 8 x 8"},
+                "predicted": {"1d_tokens_per_s": p1.tokens_per_s if p1 else None,
+                              "2d_tokens_per_s": p2.tokens_per_s if p2 else None},
+                "max_batch": {"1d": mb1, "2d": mb2, "ratio": (mb2 / mb1) if mb1 else None, "paper": 8.0}}
+    out["optimus_2d_vs_1d"]["sweep"] = sweep
+    # 3D (Bian et al. 2021): 64 V100s, 4 per node, NVLink inside, InfiniBand across. Not stated here: model size
+    # -> a 24-layer transformer, hidden 4096, seq 512, batch 512; the sweep varies the hidden size.
+    v100 = ClusterSpec.parse("16x4xV100-32GB")
+    rows = {}
+    for h in (2048, 4096, 8192):
+        g = _graph(f"gpt:layers=24,hidden={h},heads=64,seq=512,vocab=50304,attn=eager")
+        preds = {f: tensor_family(g, v100, f, batch=512)[0] for f in ("1d", "2d", "3d")}
+        rows[h] = preds
+    g = _graph("gpt:layers=24,hidden=4096,heads=64,seq=512,vocab=50304,attn=eager")
+    eight = {f: tensor_family(g, ClusterSpec.parse("8x8xV100-32GB"), f, batch=512)[0] for f in ("1d", "2d", "3d")}
+    for name, a, b in (("3d_vs_1d", "3d", "1d"), ("3d_vs_2d", "3d", "2d")):
+        sweep = {f"hidden={h}": (round(p[a].tokens_per_s / p[b].tokens_per_s, 2) if p[a] and p[b] else None)
+                 for h, p in rows.items()}
+        sweep["8 GPUs per node"] = round(eight[a].tokens_per_s / eight[b].tokens_per_s, 2) \
+            if eight[a] and eight[b] else None
+        p = rows[4096]
+        out[name] = {"paper": PAPERS[name], "ratio": sweep["hidden=4096"], "sweep": sweep,
+                     "config": {"model": "24 layers, hidden 4096 (assumed), 64 heads, seq 512, batch 512",
+                                "cluster": str(v100), "gpus_per_node": 4, "recompute": "full",
+                                "1d": "Megatron tp=64", "2d": "SUMMA 8 x 8", "3d": "4 x 4 x 4"},
+                     "predicted": {f"{k}_tokens_per_s": (v.tokens_per_s if v else None) for k, v in p.items()}}
+
+
+def _osdp_claims(out: dict) -> None:
+    from autoshard.api import plan_with_baselines
+
+    cases = (("osdp_vs_fsdp_gpt2", "gpt:layers=48,hidden=1536,heads=16,seq=1024", 8, (8, 16, 32, 64), 32),
+             ("osdp_vs_fsdp_opt30b", "gpt:layers=8,hidden=7168,heads=56,seq=2048,vocab=50272,ffn=28672", 16,
+              (8, 16, 32), 8))
+    for name, spec, cap, batches, chosen in cases:
+        sweep, detail = {}, None
+        for gb in batches:
+            p, _, baselines, _, cluster = plan_with_baselines(spec, "1x8xA100-40GB-PCIe", global_batch=gb,
+                                                              memory_cap=cap, space="dp,zero")
+            z = baselines["zero3"].prediction
+            sweep[f"global_batch={gb}"] = round(p.prediction.tokens_per_s / z.tokens_per_s, 2) if z else None
+            if gb == chosen:
+                detail = {"plan_tokens_per_s": p.prediction.tokens_per_s,
+                          "fsdp_tokens_per_s": z.tokens_per_s if z else None,
+                          "plan": f"{p.mesh}, micro-batch {p.micro_batch}, recompute {p.recompute}",
+                          "fsdp": baselines["zero3"].config}
+        out[name] = {"paper": PAPERS[name], "ratio": sweep[f"global_batch={chosen}"], "sweep": sweep,
+                     "predicted": detail,
+                     "config": {"model": spec, "cluster": "1x8xA100-40GB-PCIe (one 8-GPU PCIe node)",
+                                "memory_cap_gib": cap, "global_batch": chosen, "space": "dp,zero (OSDP's)"}}
+
+
+def _lga_claim(out: dict) -> None:
+    import shortest_training_time as stt
+
+    res = stt.analyse("gpt-1t", "A100-80GB", None, 1e12, 3072, node_counts=(256, 2048, 16384, 131072))
+    b, i = res["baseline"]["best"], res["layered_modular"]["best"]
+    out["lga_mpp_shortest_time"] = {
+        "paper": PAPERS["lga_mpp_shortest_time"], "ratio": round(res["ratio"], 2),
+        "config": {"model": "gpt-1t (128 layers, hidden 25600, seq 2048)", "cluster": "Nx8xA100-80GB, N swept",
+                   "tokens": 1e12, "critical_batch_sequences": 3072},
+        "predicted": {"baseline_days": b["days"], "baseline": f"{b['gpus']} GPUs, {b['config']}",
+                      "layered_modular_days": i["days"], "layered_modular": f"{i['gpus']} GPUs, {i['config']}"},
+        "sweep": {f"{r['gpus']} GPUs": round(r["days"], 1) for r in res["layered_modular"]["sweep"]}}
+
+
+NOTES = {
+    "optimus_2d_vs_1d": "1D all-reduces activations over all 64 GPUs, i.e. across 16 nodes on one HDR100 port "
+                        "each; 2D's traffic falls as 1/sqrt(p). The ratio depends on how network-bound 1D is.",
+    "3d_vs_1d": "Same mechanism: 3D's traffic per GPU falls as p^(-2/3).",
+    "3d_vs_2d": "Reversed, and why: per layer 3D moves 24% fewer bytes per GPU than 2D (2.0 vs 2.6 x N*h "
+                "elements, REFERENCES.md §5) but where they go decides. With ranks laid out row-major (tensor axes "
+                "innermost), 2D's activation gathers run on tp_c (8 GPUs: 2 nodes of 4, or one node of 8) and only "
+                "its small weight gathers cross nodes on tp_r; 3D's activation collectives on tp_y have one or two "
+                "GPUs per node, so at this batch (262k tokens per micro-batch) they cross InfiniBand (per block: 3D "
+                "edges ~133 ms vs 2D ~96 ms, while 3D's weight traffic is ~3x smaller). The claim needs both 3D "
+                "activation axes inside a node, i.e. nodes of 16+ GPUs at q=4, or a network close to NVLink.",
+    "osdp_vs_fsdp_gpt2": "OSDP's gain is FSDP's exposed gathers: it grows when compute per micro-batch is small "
+                         "(small global batch) and vanishes when prefetch hides them (large batch).",
+    "osdp_vs_fsdp_opt30b": "Same mechanism with 8 wide layers; replicating some operators within 16 GB removes "
+                           "their gathers.",
+    "lga_mpp_shortest_time": "At the critical batch, 1F1B's bubble grows as replicas get fewer micro-batches; "
+                             "modular placement divides it by v and layered accumulation gathers parameters once "
+                             "per step, so training keeps speeding up on more GPUs.",
+}
+
+
+def _markdown(res: dict) -> str:
+    lines = ["# The source papers' claims, reproduced with autoshard's cost model", "",
+             "Generated by `python scripts/reproduce_papers.py`. Both sides of each claim are priced by the same "
+             "cost model (validated on published runs, never tuned to these papers). Details the papers leave open "
+             "are chosen as stated and swept.", "",
+             "| claim | paper | autoshard | direction | sweep |", "|---|---:|---:|---|---|"]
+    for name, c in res["claims"].items():
+        ok = c["ratio"] is not None and c["ratio"] > 1.0
+        sweep = ", ".join(f"{k}: {v}" for k, v in c.get("sweep", {}).items())
+        lines.append(f"| {name} | {c['paper']}x | {c['ratio']}x | {'reproduced' if ok else 'NOT reproduced'} | "
+                     f"{sweep} |")
+    opt = res["claims"]["optimus_2d_vs_1d"]["max_batch"]
+    lines += ["", f"Optimus maximum batch (one micro-batch, activation checkpointing): 1D {opt['1d']}, 2D {opt['2d']}"
+              f" -> {opt['ratio']}x (paper: 8x).", ""]
+    for name, c in res["claims"].items():
+        lines += [f"## {name}", "", f"- configuration: {json.dumps(c['config'])}",
+                  f"- predicted: {json.dumps(c.get('predicted'))}", f"- why: {c['note']}", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    claims: dict = {}
+    _tensor_claims(claims)
+    _osdp_claims(claims)
+    _lga_claim(claims)
+    for name in claims:
+        claims[name]["note"] = NOTES[name]
+    res = {"claims": {k: claims[k] for k in PAPERS}, "seconds": round(time.perf_counter() - t0, 1)}
+    if not a.no_write:
+        (ROOT / "benchmarks").mkdir(exist_ok=True)
+        (ROOT / "benchmarks" / "papers.md").write_text(_markdown(res))
+        (ROOT / "benchmarks" / "papers.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(json.dumps(res, indent=1, default=str) if a.json else _markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
