@@ -152,8 +152,9 @@ def test_2d_layer_communication_matches_optimus_volume():
                         save_sharded_input=True)
         c = op_cost(op, st, ctx)
         recs = [(k, v, q) for k, v in c.comm]
-        e = edge_cost(op.input_meta[0], layout(tp_r=BATCH, tp_c=FEAT), st.inputs[0], frozenset({"tp_c"}), ctx)
-        recs += [(k, v, q) for k, v in e.comm] + [("all_gather", e.comm[0][1], q)]  # re-gathered in backward
+        e = edge_cost(op.input_meta[0], layout(tp_r=BATCH, tp_c=FEAT), st.inputs[0], frozenset({"tp_c"}), ctx,
+                      regather=True)  # the shard is kept and gathered again in backward
+        recs += [(k, v, q) for k, v in e.comm]
         moved += _elements_moved(recs, q)
     nq = q * n_tok  # N tokens in the micro-batch, q samples of n_tok
     want = 3 * (q - 1) / q * (7 * nq * h + 12 * h * h) / q

@@ -95,6 +95,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
                 global_batch=cfg.global_batch, micro_batch=cfg.micro_batch, seq=graph.seq_len,
                 recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",),
                 ops=tuple(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer,
+                                 inputs=op.inputs,
                                  strategy=assign[op.name], time_s=ev.op_costs[op.name].time_s,
                                  memory_bytes=ev.op_costs[op.name].state_bytes)
                           for op in graph.ops if op.name in assign))

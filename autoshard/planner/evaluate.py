@@ -41,6 +41,7 @@ class Evaluation:
     prediction: Prediction
     op_costs: dict[str, OpCost]
     edge_costs: dict[tuple[str, str, int], EdgeCost]  # template (producer, consumer, input index) -> cost
+    output_costs: dict[str, EdgeCost]  # template output op -> gathering its output for the caller
     stage_memory: tuple[MemoryBreakdown, ...]
     stage_time_s: tuple[float, ...]  # per micro-batch, per stage
 
@@ -108,7 +109,8 @@ def _template_costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanCont
         d_st = assign[e.dst]
         edges[(e.src, e.dst, e.index)] = edge_cost(
             e.meta, assign[e.src].output, d_st.inputs[e.index],
-            grad_partial_axes(d_st) if e.index == 0 else frozenset(), ctx)
+            grad_partial_axes(d_st) if e.index == 0 else frozenset(), ctx,
+            regather=d_st.save_sharded_input and e.index == 0)
     outs = {name: edge_cost(graph.op(name).output_meta, assign[name].output, sink_layout(ctx), frozenset(), ctx)
             for name in tg.outputs}
     return op_costs, edges, outs
@@ -257,7 +259,7 @@ def evaluate(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pi
     pred = Prediction(iteration_time_s=total, tokens_per_s=tokens / total, mfu=tflops / ctx.gpu.peak_tflops,
                       model_tflops_per_gpu=tflops, memory=peak, time=breakdown)
     return Evaluation(prediction=pred, op_costs={n: op_costs[t] for n, t in tg.to_template.items()
-                                                 if t in op_costs}, edge_costs=edges,
+                                                 if t in op_costs}, edge_costs=edges, output_costs=outs,
                       stage_memory=tuple(mems), stage_time_s=tuple(per_mb))
 
 

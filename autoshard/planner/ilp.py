@@ -131,7 +131,10 @@ def _strategy_vars(lp, tg: TemplateGraph, strategies) -> dict[StratVar, pulp.LpV
 
 
 def consumer_key(st: OpStrategy, index: int) -> tuple:
-    return (st.inputs[index], grad_partial_axes(st) if index == 0 else frozenset())
+    """What the edge into input `index` depends on: its layout, partial-gradient axes, and whether the
+    consumer gathers it again in backward."""
+    first = index == 0
+    return (st.inputs[index], grad_partial_axes(st) if first else frozenset(), st.save_sharded_input and first)
 
 
 def _groups(items: list, key) -> tuple[list, list[int]]:
@@ -161,7 +164,7 @@ def _edge_vars(lp, tg, strategies, x, ctx, recompute_full: bool):
             _eq(lp, [(y[a, b], 1.0) for a in range(len(outs))],
                 [(x[StratVar(e.dst, i)], 1.0) for i, g in enumerate(key_of) if g == b])
         for (a, b), var in y.items():
-            c = edge_cost(e.meta, outs[a], keys[b][0], keys[b][1], ctx)
+            c = edge_cost(e.meta, outs[a], keys[b][0], keys[b][1], ctx, regather=keys[b][2])
             t = c.time_s + (c.fwd_s if recompute_full and e.in_block else 0.0)
             if t == float("inf"):
                 var.upBound = 0

@@ -56,6 +56,7 @@ class OpCost:
     transient_bytes: float  # parameters gathered while the op runs
     comm: tuple[tuple[str, float], ...] = ()  # (collective, bytes) issued per micro-batch, for runtime checks
     recompute_peak_bytes: float = 0.0  # activations re-materialized while its block runs backward
+    iter_comm: tuple[tuple[str, float], ...] = ()  # (collective, bytes) issued once per iteration
 
     @property
     def time_s(self) -> float:
@@ -144,6 +145,7 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext):
     p_b = g_b = o_b = 0.0
     tp_f = tp_b = dp_f = dp_b = dp_i = transient = 0.0
     comm: list[tuple[str, float]] = []
+    iter_comm: list[tuple[str, float]] = []
     ins = st.inputs[0] if st.inputs else st.output
     tokens_sharded = set(_axes(ins, _TOKEN))
     for pp in st.params:
@@ -170,17 +172,18 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext):
             gb = local * prec.grad_bytes
             tp_b += ctx.collective_s("all_reduce", gb, partial_axes)
             comm.append(("all_reduce", gb))
-        f, b, i, tr, c = _dp_param_comm(local, st, ctx)
+        f, b, i, tr, c, ic = _dp_param_comm(local, st, ctx)
         dp_f, dp_b, dp_i, transient = dp_f + f, dp_b + b, dp_i + i, max(transient, tr)
         comm += c
-    return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm
+        iter_comm += ic
+    return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm
 
 
 def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext):
     """Data-parallel traffic of `local` parameters at ZeRO level `st.zero` (split into `st.split` slices)."""
     prec, dp = ctx.precision, ctx.mesh.degree("dp")
     if dp == 1:
-        return 0.0, 0.0, 0.0, 0.0, []
+        return 0.0, 0.0, 0.0, 0.0, [], []
     pb, gb = local * prec.param_bytes, local * prec.grad_bytes
     s = st.split
 
@@ -188,13 +191,15 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext):
         return s * ctx.collective_s(kind, nbytes / s, ("dp",))
 
     if st.zero == 0:
-        return 0.0, 0.0, coll("all_reduce", gb), 0.0, []
+        return 0.0, 0.0, coll("all_reduce", gb), 0.0, [], [("all_reduce", gb)]
     if st.zero == 1:  # distributed optimizer: reduce-scatter accumulated gradients, gather updated params
-        return 0.0, 0.0, coll("reduce_scatter", gb) + coll("all_gather", pb), 0.0, []
+        return 0.0, 0.0, coll("reduce_scatter", gb) + coll("all_gather", pb), 0.0, [], \
+            [("reduce_scatter", gb), ("all_gather", pb)]
     if st.zero == 2:  # FSDP SHARD_GRAD_OP: reduce-scatter each micro-batch, gather once per iteration
-        return 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, [("reduce_scatter", gb)]
+        return 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, [("reduce_scatter", gb)], \
+            [("all_gather", pb)]
     ag = coll("all_gather", pb)
-    return ag, ag + coll("reduce_scatter", gb), 0.0, pb / s, [("all_gather", 2 * pb), ("reduce_scatter", gb)]
+    return ag, ag + coll("reduce_scatter", gb), 0.0, pb / s, [("all_gather", 2 * pb), ("reduce_scatter", gb)], []
 
 
 # -- activations ---------------------------------------------------------------------------------------------
@@ -215,23 +220,27 @@ def _saved_bytes(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float
 
 
 def _norm_stats_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float, list]:
+    """A norm over a hidden dim sharded on some axes all-reduces its per-token statistics there: LayerNorm
+    two (mean, variance), RMSNorm one (mean square), fp32, once forward and once backward (the runtime's
+    statistics-parallel norms, autoshard/runtime/norms.py)."""
     if op.kind is not OpKind.NORM or not st.inputs:
         return 0.0, 0.0, []
     feat_axes = _axes(st.inputs[0], (FEAT,))
     if not feat_axes:
         return 0.0, 0.0, []
+    stats = 2 if any(a in ("layer_norm", "native_layer_norm") for a in op.aten) else 1
     tokens = op.output_meta.numel // max(1, op.output_meta.shape[-1]) * ctx.micro_batch
     tokens /= max(1, _deg(st.inputs[0], ctx, _TOKEN))
-    nb = tokens * 2 * 4  # mean and variance (or sum of squares) in fp32
-    t = ctx.collective_s("all_reduce", nb, feat_axes)
-    return t, 2 * t, [("all_reduce", 3 * nb)]
+    nb = tokens * 4  # one fp32 value per token
+    t = stats * ctx.collective_s("all_reduce", nb, feat_axes)
+    return t, t, [("all_reduce", nb)] * (2 * stats)
 
 
 def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta | None = None) -> OpCost:
     """Cost of `op` under `st`. `block_input`: for the first op of a repeated block under full recompute,
     the block input it keeps (everything else in the block is recomputed)."""
     fwd, bwd = _compute_s(op, st, ctx)
-    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm = _param_costs(op, st, ctx)
+    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = _param_costs(op, st, ctx)
     nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
     tp_f, tp_b = tp_f + nf, tp_b + nb
     kept, dropped = _saved_bytes(op, st, ctx)
@@ -249,13 +258,15 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
     return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
                   dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
                   optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
-                  comm=tuple(comm + ncomm), recompute_peak_bytes=peak)
+                  comm=tuple(comm + ncomm), recompute_peak_bytes=peak, iter_comm=tuple(iter_comm))
 
 
 # -- edges -------------------------------------------------------------------------------------------------
 def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozenset[str],
-              ctx: PlanContext) -> EdgeCost:
-    """Redistribute a tensor from its producer's layout `src` to its consumer's `dst`, and its gradient back."""
+              ctx: PlanContext, *, regather: bool = False) -> EdgeCost:
+    """Redistribute a tensor from its producer's layout `src` to its consumer's `dst`, and its gradient back.
+    `regather`: the consumer keeps only the shard for backward (sequence parallel, 2D) and gathers it again
+    there, so every forward all-gather happens once more in backward."""
     if not meta.batch_dims:  # a tensor without a batch dim is never batch-sharded
         src, dst = _drop_batch(src), _drop_batch(dst)
     full = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch)
@@ -273,6 +284,9 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
         if f_kind:
             fwd += ctx.collective_s(f_kind, nbytes, (axis,))
             comm.append((f_kind, nbytes))
+            if regather and f_kind == "all_gather":
+                bwd += ctx.collective_s(f_kind, nbytes, (axis,))
+                comm.append((f_kind, nbytes))
         if b_kind:
             bwd += ctx.collective_s(b_kind, nbytes, (axis,))
             comm.append((b_kind, nbytes))

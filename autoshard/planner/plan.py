@@ -94,6 +94,7 @@ class OpPlan:
     kind: str
     layer: int | None
     strategy: OpStrategy
+    inputs: tuple[str, ...] = ()  # producer op of each activation input (the graph's edges), in order
     time_s: float = 0.0  # per micro-batch, forward + backward, incl. its own communication
     memory_bytes: float = 0.0
     runner_up: str | None = None
@@ -107,8 +108,8 @@ class OpPlan:
 
     @classmethod
     def from_json(cls, d: dict) -> OpPlan:
-        rest = {k: v for k, v in d.items() if k != "strategy"}
-        return cls(strategy=OpStrategy.from_json(d["strategy"]), **rest)
+        rest = {k: v for k, v in d.items() if k not in ("strategy", "inputs")}
+        return cls(strategy=OpStrategy.from_json(d["strategy"]), inputs=tuple(d.get("inputs", ())), **rest)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,11 +23,13 @@ def _local_time(graph, tg, name, st, assign, ctx, firsts) -> float:
     for e in tg.edges:
         if e.dst == name:
             t += edge_cost(e.meta, assign[e.src].output, st.inputs[e.index],
-                           grad_partial_axes(st) if e.index == 0 else frozenset(), ctx).time_s
+                           grad_partial_axes(st) if e.index == 0 else frozenset(), ctx,
+                           regather=st.save_sharded_input and e.index == 0).time_s
         elif e.src == name:
             dst = assign[e.dst]
             t += edge_cost(e.meta, st.output, dst.inputs[e.index],
-                           grad_partial_axes(dst) if e.index == 0 else frozenset(), ctx).time_s
+                           grad_partial_axes(dst) if e.index == 0 else frozenset(), ctx,
+                           regather=dst.save_sharded_input and e.index == 0).time_s
     if name in tg.outputs:
         t += edge_cost(op.output_meta, st.output, sink_layout(ctx), frozenset(), ctx).time_s
     return t
@@ -73,6 +75,7 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
         c = result.evaluation.op_costs[op.name]
         r = ru.get(t)
         ops.append(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer, strategy=st,
+                          inputs=op.inputs,
                           time_s=r[2] if r else c.time_s, memory_bytes=c.state_bytes,
                           runner_up=r[0] if r else None, runner_up_time_s=r[1] if r else None,
                           runner_up_memory_bytes=r[3] if r else None))

@@ -304,13 +304,12 @@ def _edge_minima(tg, cand: Candidate, prep: _Prepared, cache: dict) -> dict:
         for st in prep.strategies[e.dst]:
             key = (consumer_key(st, e.index), e.meta, e.in_block and full, cand.mesh, cand.micro_batch)
             if key not in cache:
-                dst, partial = key[0]
                 cache[key] = {}
             table = cache[key]
             best = math.inf
             for lay in src_outs:
                 if lay not in table:
-                    c = edge_cost(e.meta, lay, key[0][0], key[0][1], prep.ctx)
+                    c = edge_cost(e.meta, lay, key[0][0], key[0][1], prep.ctx, regather=key[0][2])
                     table[lay] = c.time_s + (c.fwd_s if key[2] else 0.0)
                 best = min(best, table[lay])
             per_strategy.append(best)
