@@ -1,0 +1,307 @@
+"""Pipeline parallelism: a plan with a `pp` axis (or layered gradient accumulation) -> stages and a schedule.
+
+Apply order (STYLE.md rule 7), in `apply_pipeline_plan`:
+
+    1. the full mesh (pp, dp, tp...) with pp outermost, as `MeshSpec.stride` lays ranks out; a stage computes
+       on the sub-mesh of the other axes (mesh.py's mesh for one pipeline slice);
+    2. pipeline split: every chunk of `plan.pipeline.stage_layers` becomes a `PipelineChunk` holding the
+       model's own submodules under their original names (pipeline_split.py); chunk c runs on pp rank
+       c mod degree ("loop" placement: Narayanan et al.'s interleaving, Lamy-Poirier's modular pipeline);
+       the model keeps only this rank's chunks; a parameter tied across chunks gets a copy per chunk;
+    3. per local chunk, the non-pipeline runtime on the stage's sub-mesh (`apply_plan_to_stage`): tensor
+       parallel, statistics-parallel norms, operator splitting, sharded data parallel with the chunk as FSDP
+       root (pipelining calls FSDP's post-backward itself once per step: no reduction per micro-batch);
+    4. one `PipelineStage` per local chunk (static shapes, inferred with fake tensors from the example
+       inputs) and the plan's schedule from torch.distributed.pipelining.
+
+Activations cross stages as plain tensors: this rank's dp slice of the micro-batch, replicated over the
+tensor-parallel axes (each tp rank sends its copy to its peer of the next stage). Each stage turns them into
+DTensors and back, as `ParallelModule.forward` does for the whole model.
+
+`train_step(model, inputs, target)` runs forward, loss and backward of one global batch (this rank's dp
+slice, as `shard_inputs` cuts it): the schedule splits it into `plan.num_microbatches` micro-batches; the
+loss `loss_fn(output, target)` of each, divided by their number, is computed on the last stage; gradients
+are summed into `.grad` (they accumulate over calls like `backward()`), the copies of tied parameters
+summed, and the mean loss is returned on every rank. Without pipeline parallelism it runs the same loop
+depth-first on the ParallelModule (pipeline_train.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autoshard.errors import ConfigurationError, PlanFileError, RuntimeSetupError
+from autoshard.planner.plan import Plan
+from autoshard.runtime.apply import _statistics_parallel_norms
+from autoshard.runtime.data_parallel import apply_operator_splitting, apply_sharded_data_parallel
+from autoshard.runtime.dtensor_ext import SPMDMode, register_dtensor_rules
+from autoshard.runtime.parallel_module import ParallelModule, RuntimeState
+from autoshard.runtime.pipeline_split import (
+    PipelineChunk,
+    build_chunks,
+    family_of,
+    prune_model,
+    untie_across_chunks,
+)
+from autoshard.runtime.pipeline_train import PipelineState, TiedSync, train_step
+from autoshard.runtime.specs import ModuleSpec, module_specs
+from autoshard.runtime.tensor_parallel import distribute_parameters, install_module_runtimes
+
+__all__ = ["uses_pipeline", "apply_pipeline_plan", "apply_plan_to_stage", "build_pipeline_mesh",
+           "PipelinedModule", "SCHEDULES"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "looped-bfs": ScheduleLoopedBFS}
+_MULTI_CHUNK = ("interleaved-1f1b", "looped-bfs")
+_MESHES: dict[tuple, tuple[DeviceMesh, object]] = {}  # see mesh.py: one mesh object per value and world
+
+
+def uses_pipeline(plan: Plan) -> bool:
+    """The plan needs stages: a pp axis, several chunks, or layered (breadth-first) gradient accumulation."""
+    pipe = plan.pipeline
+    return plan.mesh.degree("pp") > 1 or pipe.degree * pipe.virtual_stages > 1 or pipe.layered
+
+
+def build_pipeline_mesh(plan: Plan, *, device_type: str = "cpu") -> DeviceMesh:
+    """The mesh ("pp", <the plan's other axes>) over every rank, pp outermost (degree 1 without a pp axis)."""
+    spec, pipe = plan.mesh, plan.pipeline
+    if spec.degree("pp") != pipe.degree:
+        raise PlanFileError(f"the plan's mesh has pp={spec.degree('pp')} but its pipeline degree is "
+                            f"{pipe.degree}; re-plan")
+    names = ("pp", *spec.spmd_axes)
+    shape = tuple(spec.degree(a) for a in names)
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise RuntimeSetupError(f"the plan's mesh {spec} needs {math.prod(shape)} ranks but this job has "
+                                f"{world}; launch torchrun --nproc-per-node {math.prod(shape)} or re-plan")
+    key = (device_type, names, shape)
+    cached = _MESHES.get(key)
+    if cached is not None and cached[1] is dist.group.WORLD:
+        return cached[0]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    _MESHES[key] = (mesh, dist.group.WORLD)
+    return mesh
+
+
+def _stage_mesh(full: DeviceMesh) -> DeviceMesh | None:
+    """The sub-mesh one stage computes on; None when it is a single rank (plain tensors, no DTensor)."""
+    names = full.mesh_dim_names[1:]
+    if math.prod(full.shape[1:]) == 1:
+        return None
+    return full[names[0]] if len(names) == 1 else full[names]
+
+
+def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> None:
+    """Steps 2-5 of `apply_plan` on one pipeline chunk, with the chunk as the root (its FSDP root too).
+
+    `specs` are the chunk's own (paths inside the chunk equal the model's, see pipeline_split.py)."""
+    distribute_parameters(stage, specs, mesh)
+    runtimes = install_module_runtimes(stage, specs, mesh)
+    _statistics_parallel_norms(specs, runtimes)
+    apply_operator_splitting(stage, specs, runtimes, mesh)
+    apply_sharded_data_parallel(stage, specs, mesh)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward scales the gradient (1/dp on the last stage's output: parallel_module.py)."""
+
+    # a copy of parallel_module._ScaleGrad: that module's private helper may change with the runtime
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+@dataclass
+class _SPMDBoundary:
+    """A chunk's forward on a stage mesh: the local slice in (dp: S(batch), tp: R), DTensors inside, the local
+    slice out with full feature dims. On the last stage the output's gradient is scaled by 1/dp, because the
+    loss of one dp rank's slice is its term of the global mean (see parallel_module._to_local)."""
+
+    mesh: DeviceMesh
+    grad_scale: float = 1.0
+
+    def __call__(self, chunk: PipelineChunk, x: torch.Tensor) -> torch.Tensor:
+        names = self.mesh.mesh_dim_names
+        with SPMDMode():
+            placements = [Shard(0) if n == "dp" and x.dim() > 0 else Replicate() for n in names]
+            y = chunk.run(DTensor.from_local(x, self.mesh, placements, run_check=False))
+            if not isinstance(y, DTensor):
+                return y
+            target = [p if n == "dp" and p == Shard(0) else Replicate() for n, p in zip(names, y.placements,
+                                                                                       strict=True)]
+            local = y.redistribute(self.mesh, target).to_local() if tuple(target) != y.placements else y.to_local()
+        # through _ScaleGrad even with a factor of 1: an alias, not the view to_local() makes (FSDP2 warns)
+        return _ScaleGrad.apply(local, self.grad_scale) if local.requires_grad else local
+
+
+class PipelinedModule(ParallelModule):
+    """The model a pipelined plan returns: this rank's chunks only, trained through `train_step`."""
+
+    def forward(self, *args, **kwargs):
+        raise ConfigurationError("a pipelined model runs forward and backward together, micro-batch by "
+                                 "micro-batch: call pm.train_step(inputs, target) instead of pm(inputs)")
+
+    def train_step(self, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
+        return train_step(self, inputs, target)
+
+
+@dataclass
+class _Layout:
+    """Where the chunks go: chunk c on pp rank c mod degree."""
+
+    degree: int
+    stage_layers: tuple[tuple[int, int], ...]
+    pp_rank: int
+    local: list[int] = field(default_factory=list)
+
+
+def _stage_layers(plan: Plan, num_blocks: int) -> tuple[tuple[int, int], ...]:
+    pipe = plan.pipeline
+    chunks = pipe.degree * pipe.virtual_stages
+    if pipe.stage_layers:
+        if len(pipe.stage_layers) != chunks:
+            raise PlanFileError(f"the plan's pipeline has {len(pipe.stage_layers)} chunks in stage_layers but "
+                                f"degree {pipe.degree} x {pipe.virtual_stages} virtual stages; re-plan")
+        return tuple(tuple(x) for x in pipe.stage_layers)
+    if chunks == 1:
+        return ((0, num_blocks),)
+    from autoshard.planner.manual import even_stage_layers
+
+    log.info("the plan gives no stage_layers: %d blocks split evenly into %d chunks", num_blocks, chunks)
+    return even_stage_layers(num_blocks, chunks)
+
+
+def _schedule_name(plan: Plan) -> str:
+    pipe = plan.pipeline
+    name = "looped-bfs" if pipe.layered else pipe.schedule
+    if pipe.layered and pipe.schedule != "looped-bfs":
+        log.info("layered gradient accumulation runs the looped-bfs schedule (plan says %s)", pipe.schedule)
+    if pipe.virtual_stages > 1 and name not in _MULTI_CHUNK:
+        raise ConfigurationError(f"schedule {name!r} runs one chunk per rank but the plan has "
+                                 f"{pipe.virtual_stages} virtual stages; use interleaved-1f1b or looped-bfs")
+    return name
+
+
+def _chunk_io(chunks: list[PipelineChunk], example: torch.Tensor, micro_batch: int) -> list[tuple]:
+    """(input, output) meta tensors of every chunk for one micro-batch of this rank's dp slice, from a
+    fake-tensor run of the unparallelized chunks (stage outputs are local and full-width, as the boundary
+    hands them over)."""
+    io = []
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty((micro_batch, *example.shape[1:]), dtype=example.dtype)
+        for chunk in chunks:
+            y = chunk.run(x)
+            io.append((_meta(x, grad=not chunk.is_first), _meta(y, grad=True)))
+            x = y
+    return io
+
+
+def _meta(x: torch.Tensor, *, grad: bool) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device="meta", requires_grad=grad and x.dtype.is_floating_point)
+
+
+def _chunk_specs(specs: dict[str, ModuleSpec], chunk: PipelineChunk) -> dict[str, ModuleSpec]:
+    roots = chunk.module_paths()
+    return {p: s for p, s in specs.items() if any(p == r or p.startswith(r + ".") for r in roots)}
+
+
+def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph, example_inputs: tuple, loss_fn,
+                        device_type: str = "cpu") -> PipelinedModule:
+    """Build this rank's stages of `model` as `plan` says and the schedule that runs them (module docstring).
+
+    Call on every rank. Returns `model` itself, pruned to this rank's chunks, as a `PipelinedModule`."""
+    if loss_fn is None:
+        raise ConfigurationError("a pipelined plan computes the loss on the last stage: pass "
+                                 "autoparallel(..., loss_fn=fn) with fn(model_output, target) -> scalar")
+    example = _single_input(example_inputs)
+    register_dtensor_rules()
+    full = build_pipeline_mesh(plan, device_type=device_type)
+    specs = module_specs(plan, graph, model)  # on the whole model: tied parameters still tied
+    name = _schedule_name(plan)
+    chunks = build_chunks(model, _stage_layers(plan, len(model.get_submodule(family_of(model).blocks))))
+    layout = _Layout(degree=plan.pipeline.degree, stage_layers=tuple(c.layers for c in chunks),
+                     pp_rank=full.get_local_rank("pp"))
+    layout.local = [c.index for c in chunks if c.index % layout.degree == layout.pp_rank]
+    io = _chunk_io(chunks, example, plan.micro_batch)
+    tied = untie_across_chunks(chunks, set(layout.local))
+    local = [chunks[c] for c in layout.local]
+    prune_model(model, chunks[0].family, local)
+    mesh = _stage_mesh(full)
+    dp = full.size(full.mesh_dim_names.index("dp")) if "dp" in full.mesh_dim_names else 1
+    for chunk in local:
+        if mesh is not None:
+            apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh)
+            chunk.boundary = _SPMDBoundary(mesh, grad_scale=1.0 / dp if chunk.is_last else 1.0)
+    stages = _stages(local, io, full, device_type)
+    state = PipelineState(plan=plan, mesh=full, family=chunks[0].family, chunks=local, stages=stages,
+                          schedule_name=name, loss_fn=loss_fn, example_shape=tuple(example.shape[1:]),
+                          tied=TiedSync.build(tied, local, full, layout.degree))
+    state.schedule = _schedule(name, stages, plan.num_microbatches, state.micro_loss)
+    return _make_pipelined(model, plan, full, state)
+
+
+def _single_input(example_inputs) -> torch.Tensor:
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
+        raise ConfigurationError(f"a pipelined model takes one input tensor (token ids or features), got "
+                                 f"{len(inputs)} inputs; attention masks are not passed between stages")
+    return inputs[0]
+
+
+def _stages(local: list[PipelineChunk], io: list[tuple], full: DeviceMesh, device_type: str) -> list[PipelineStage]:
+    device = torch.device(device_type) if device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    group = full.get_group("pp")
+    return [PipelineStage(chunk, chunk.index, chunk.num_chunks, device, input_args=io[chunk.index][0],
+                          output_args=io[chunk.index][1], group=group) for chunk in local]
+
+
+def _schedule(name: str, stages: list[PipelineStage], num_microbatches: int, loss_fn):
+    cls = SCHEDULES[name]
+    degree = stages[0].group_size
+    if name == "1f1b" and num_microbatches < degree:
+        raise ConfigurationError(f"1F1B needs at least as many micro-batches as stages: "
+                                 f"{num_microbatches} < {degree}; raise the global batch or use gpipe")
+    rounds = max(1, num_microbatches // degree)
+    if name == "interleaved-1f1b" and num_microbatches % rounds:
+        raise ConfigurationError(f"interleaved 1F1B needs a number of micro-batches that is a multiple of "
+                                 f"{rounds} (micro-batches // pp degree), got {num_microbatches}")
+    # the loss is divided by the number of micro-batches already (train_step): no second scaling
+    if name in _MULTI_CHUNK:
+        return cls(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _make_pipelined(model: nn.Module, plan: Plan, full: DeviceMesh, state: PipelineState) -> PipelinedModule:
+    cls = type(model)
+    if not issubclass(cls, PipelinedModule):
+        model.__class__ = type(f"AutoShard{cls.__name__}", (PipelinedModule, cls), {})
+    model._autoshard = RuntimeState(plan=plan, mesh=full)
+    model._autoshard_pipeline = state
+    log.info("pipelined %s: chunks %s of %d on pp rank %d, schedule %s, %d micro-batches", plan.model,
+             [c.index for c in state.chunks], len(plan.pipeline.stage_layers) or 1, full.get_local_rank("pp"),
+             state.schedule_name, plan.num_microbatches)
+    return model

@@ -1,0 +1,142 @@
+"""What each rank runs in the pipeline tests: a pipelined model against a single-process copy of itself.
+
+Per case: build the model (same seed on every rank), keep a deep copy as the reference, run the reference on
+the whole global batch (loss = mean over it, backward), parallelize the model with a hand-made pipelined plan
+and run one `train_step` on this rank's slice. Every parameter this rank holds (under its original name; a
+copy of a tied parameter under its own module's name) is compared with the reference's gradient; the loss
+with the reference loss. Gradients of sharded parameters are gathered with `full_tensor()`: ranks of one
+stage hold the same names in the same order, so the collectives match.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from dist_checks import full_named
+from torch import nn
+
+from autoshard.planner.layouts import MeshSpec
+from autoshard.planner.plan import PipelineSpec, Plan
+
+__all__ = ["build_model", "batch", "make_pipeline_plan", "pipeline_cases", "loss_fn"]
+
+VOCAB, SEQ, HIDDEN, HEADS = 64, 8, 32, 4
+
+
+def build_model(name: str, layers: int, seed: int = 0) -> nn.Module:
+    """Tiny Hugging Face / zoo models with `layers` blocks, dropout off, fp32."""
+    torch.manual_seed(seed)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=layers, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+                         eos_token_id=0)
+        return GPT2LMHeadModel(cfg).train()
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                          num_key_value_heads=HEADS, intermediate_size=64, vocab_size=VOCAB,
+                          max_position_embeddings=SEQ, tie_word_embeddings=False, use_cache=False,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return LlamaForCausalLM(cfg).train()
+    if name == "gqagpt":
+        from autoshard.models.small import GQAGPT
+
+        return GQAGPT(layers=layers, hidden=HIDDEN, heads=HEADS, kv_heads=2, ffn=64, vocab=VOCAB, seq=SEQ).train()
+    if name == "mlp":
+        from autoshard.models.small import MLP
+
+        return MLP(layers=layers, hidden=16, ffn=32).train()
+    raise ValueError(name)
+
+
+def batch(name: str, size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        return torch.randn(size, 16, generator=g), torch.randn(size, 16, generator=g)
+    return (torch.randint(0, VOCAB, (size, SEQ), generator=g),
+            torch.randint(0, VOCAB, (size, SEQ), generator=g))
+
+
+def loss_fn(out, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over tokens (language models) or mean squared error (the MLP)."""
+    logits = out.logits if hasattr(out, "logits") else out
+    if logits.dtype.is_floating_point and target.dtype.is_floating_point:
+        return F.mse_loss(logits, target)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def make_pipeline_plan(graph, degrees: dict[str, int], family: str, *, global_batch: int, micro_batch: int,
+                       schedule: str = "1f1b", virtual_stages: int = 1, zero: int = 0,
+                       layered: bool | None = None) -> Plan:
+    """A `dist_plans` family plan on a mesh with a pp axis, plus the pipeline: even chunks, loop placement."""
+    from dist_plans import make_plan
+
+    from autoshard.planner.manual import even_stage_layers
+
+    mesh = MeshSpec.of(**degrees)
+    plan = make_plan(graph, mesh, family, global_batch=global_batch, zero=zero)
+    degree = mesh.degree("pp")
+    chunks = degree * virtual_stages
+    stage_layers = even_stage_layers(graph.num_layers, chunks) if chunks > 1 else ()
+    layered = schedule == "looped-bfs" if layered is None else layered
+    pipe = PipelineSpec(degree=degree, schedule=schedule, virtual_stages=virtual_stages,
+                        stage_layers=stage_layers, layered=layered)
+    return replace(plan, pipeline=pipe, micro_batch=micro_batch)
+
+
+def _parallelize(model: nn.Module, case: dict, x: torch.Tensor) -> nn.Module:
+    from autoshard.runtime.pipeline import apply_pipeline_plan, uses_pipeline
+
+    plan = case["plan"]
+    if uses_pipeline(plan):
+        return apply_pipeline_plan(model, plan, graph=case["graph"], example_inputs=(x[:1],), loss_fn=loss_fn)
+    from autoshard.runtime import apply_plan, build_device_mesh
+    from autoshard.runtime.pipeline_train import attach_loss_fn
+
+    pm = apply_plan(model, plan, graph=case["graph"], mesh=build_device_mesh(plan.mesh))
+    attach_loss_fn(pm, loss_fn)
+    return pm
+
+
+def _max_diff(got: dict, want: dict) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for name, g in got.items():
+        w = want[name]
+        d = float("inf") if g is None or g.shape != w.shape else (g - w).abs().max().item()
+        if d > worst:
+            worst, where = d, name
+    return worst, where
+
+
+def _one_case(case: dict) -> dict:
+    from autoshard.runtime.pipeline_train import train_step
+
+    name = case["model"]
+    model = build_model(name, case["layers"])
+    ref = copy.deepcopy(model)
+    x, y = batch(name, case["batch"])
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    pm = _parallelize(model, case, x)
+    lx, ly = pm.shard_inputs((x, y))
+    loss = train_step(pm, (lx,), ly)
+    local_names = [n for n, _ in pm.named_parameters(remove_duplicate=False)]
+    names = [n for n in ref_grads if n in set(local_names)]
+    got = {n: g.detach() for n, g in full_named(pm, names, grads=True).items()}
+    grad_diff, worst = _max_diff(got, ref_grads)
+    return {"case": case["id"], "loss": loss.item(), "loss_diff": abs(loss.item() - ref_loss.item()),
+            "grad_diff": grad_diff, "grad_worst": worst, "names": names, "loss_is_0dim": loss.dim() == 0,
+            "all_names": sorted(set(n for n, _ in ref.named_parameters())),
+            "param_names_known": set(local_names) <= set(ref_grads)}
+
+
+def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Run every case on this rank (all ranks run the same cases in the same order)."""
+    return [_one_case(c) for c in cases]
