@@ -1,0 +1,53 @@
+"""Data flows one way: models -> capture -> (cost_models <- hardware_profiles) -> planner -> runtime; only the
+runtime imports torch.distributed (STYLE.md rule 1)."""
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "autoshard"
+ORDER = ["errors", "models", "capture", "hardware_profiles", "cost_models", "planner", "runtime"]
+# what each layer may import from the package (besides itself and errors)
+ALLOWED = {
+    "models": set(),
+    "capture": {"models"},
+    "hardware_profiles": set(),
+    "cost_models": {"capture", "hardware_profiles"},
+    "planner": {"models", "capture", "hardware_profiles", "cost_models"},
+    "runtime": {"models", "capture", "hardware_profiles", "cost_models", "planner"},
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_layers_import_only_upstream_layers():
+    bad = []
+    for layer, allowed in ALLOWED.items():
+        for path in (PKG / layer).rglob("*.py"):
+            for name in imports_of(path):
+                if not name.startswith("autoshard."):
+                    continue
+                target = name.split(".")[1]
+                if target not in (layer, "errors") and target not in allowed:
+                    bad.append(f"{path.relative_to(PKG)} imports {name}")
+    assert not bad, bad
+
+
+def test_only_the_runtime_imports_torch_distributed():
+    bad = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
+           if "runtime" not in p.parts and any(n.startswith("torch.distributed") for n in imports_of(p))]
+    assert not bad, bad
+
+
+def test_cost_models_do_not_import_torch():
+    bad = [str(p.relative_to(PKG)) for p in (PKG / "cost_models").rglob("*.py")
+           if any(n == "torch" or n.startswith("torch.") for n in imports_of(p))]
+    assert not bad, bad
