@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -47,10 +48,12 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoshard.errors import ConfigurationError, PlanFileError, RuntimeSetupError
+from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.plan import Plan
 from autoshard.runtime.apply import _statistics_parallel_norms
 from autoshard.runtime.data_parallel import apply_operator_splitting, apply_sharded_data_parallel
 from autoshard.runtime.dtensor_ext import SPMDMode, register_dtensor_rules
+from autoshard.runtime.mesh import build_device_mesh
 from autoshard.runtime.parallel_module import ParallelModule, RuntimeState
 from autoshard.runtime.pipeline_split import (
     PipelineChunk,
@@ -72,6 +75,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": S
              "looped-bfs": ScheduleLoopedBFS}
 _MULTI_CHUNK = ("interleaved-1f1b", "looped-bfs")
 _MESHES: dict[tuple, tuple[DeviceMesh, object]] = {}  # see mesh.py: one mesh object per value and world
+_STAGE_MESHES: dict[int, DeviceMesh] = {}  # id(full mesh in _MESHES) -> its stage sub-mesh
 
 
 def uses_pipeline(plan: Plan) -> bool:
@@ -101,12 +105,20 @@ def build_pipeline_mesh(plan: Plan, *, device_type: str = "cpu") -> DeviceMesh:
     return mesh
 
 
-def _stage_mesh(full: DeviceMesh) -> DeviceMesh | None:
-    """The sub-mesh one stage computes on; None when it is a single rank (plain tensors, no DTensor)."""
+def _stage_mesh(full: DeviceMesh, plan: Plan, device_type: str) -> DeviceMesh | None:
+    """The sub-mesh one stage computes on; None when it is a single rank (plain tensors, no DTensor).
+
+    One object per value in a process (see mesh.py's `_MESHES`): with pipeline degree 1 it is mesh.py's own
+    mesh of the same axes, so a pipelined and a plain plan of equal meshes share it."""
     names = full.mesh_dim_names[1:]
     if math.prod(full.shape[1:]) == 1:
         return None
-    return full[names[0]] if len(names) == 1 else full[names]
+    if full.size(0) == 1:
+        return build_device_mesh(MeshSpec(axes=tuple((a, d) for a, d in plan.mesh.axes if a != "pp")),
+                                 device_type=device_type)
+    if id(full) not in _STAGE_MESHES:
+        _STAGE_MESHES[id(full)] = full[names[0]] if len(names) == 1 else full[names]
+    return _STAGE_MESHES[id(full)]
 
 
 def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> None:
@@ -118,6 +130,20 @@ def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: De
     _statistics_parallel_norms(specs, runtimes)
     apply_operator_splitting(stage, specs, runtimes, mesh)
     apply_sharded_data_parallel(stage, specs, mesh)
+
+
+def _gather_once_per_step(chunk: nn.Module) -> None:
+    """Layered accumulation gathers a chunk's sharded parameters once per step, not per micro-batch
+    (Lamy-Poirier 2021 §3): the looped-BFS schedule unshards the whole chunk before its first micro-batch and
+    reshards it after its last; ZeRO-3's resharding after every forward call would undo that."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    for module in chunk.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if groups and all(isinstance(g.mesh_info, FSDPMeshInfo) for g in groups):  # sharded, not replicated
+            module.set_reshard_after_forward(False, recurse=False)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -250,12 +276,14 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph, example_inputs: 
     tied = untie_across_chunks(chunks, set(layout.local))
     local = [chunks[c] for c in layout.local]
     prune_model(model, chunks[0].family, local)
-    mesh = _stage_mesh(full)
+    mesh = _stage_mesh(full, plan, device_type)
     dp = full.size(full.mesh_dim_names.index("dp")) if "dp" in full.mesh_dim_names else 1
     for chunk in local:
         if mesh is not None:
             apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh)
             chunk.boundary = _SPMDBoundary(mesh, grad_scale=1.0 / dp if chunk.is_last else 1.0)
+        if name == "looped-bfs":
+            _gather_once_per_step(chunk)
     stages = _stages(local, io, full, device_type)
     state = PipelineState(plan=plan, mesh=full, family=chunks[0].family, chunks=local, stages=stages,
                           schedule_name=name, loss_fn=loss_fn, example_shape=tuple(example.shape[1:]),

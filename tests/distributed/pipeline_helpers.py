@@ -114,7 +114,23 @@ def _max_diff(got: dict, want: dict) -> tuple[float, str]:
     return worst, where
 
 
-def _one_case(case: dict) -> dict:
+def _errors(pm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[str]:
+    """What a user gets for calling a pipelined model directly or with a batch of the wrong size (raised
+    before any collective, so every rank fails alike)."""
+    from autoshard.errors import ConfigurationError
+    from autoshard.runtime.pipeline_train import train_step
+
+    messages = []
+    for call in (lambda: pm(x), lambda: train_step(pm, (x[:1],), y[:1])):
+        try:
+            call()
+            messages.append("")
+        except ConfigurationError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def _grads_case(case: dict) -> dict:
     from autoshard.runtime.pipeline_train import train_step
 
     name = case["model"]
@@ -123,20 +139,34 @@ def _one_case(case: dict) -> dict:
     x, y = batch(name, case["batch"])
     ref_loss = loss_fn(ref(x), y)
     ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    steps = case.get("steps", 1)  # train_step accumulates into .grad like backward(): k steps, k x gradient
+    ref_grads = {n: steps * p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
     pm = _parallelize(model, case, x)
     lx, ly = pm.shard_inputs((x, y))
-    loss = train_step(pm, (lx,), ly)
+    losses = [train_step(pm, (lx,), ly) for _ in range(steps)]
     local_names = [n for n, _ in pm.named_parameters(remove_duplicate=False)]
     names = [n for n in ref_grads if n in set(local_names)]
     got = {n: g.detach() for n, g in full_named(pm, names, grads=True).items()}
     grad_diff, worst = _max_diff(got, ref_grads)
-    return {"case": case["id"], "loss": loss.item(), "loss_diff": abs(loss.item() - ref_loss.item()),
-            "grad_diff": grad_diff, "grad_worst": worst, "names": names, "loss_is_0dim": loss.dim() == 0,
-            "all_names": sorted(set(n for n, _ in ref.named_parameters())),
-            "param_names_known": set(local_names) <= set(ref_grads)}
+    return {"case": case["id"], "loss_diff": max(abs(t.item() - ref_loss.item()) for t in losses),
+            "loss_is_0dim": all(t.dim() == 0 for t in losses), "grad_diff": grad_diff, "grad_worst": worst,
+            "names": names, "unknown_names": sorted(set(local_names) - set(ref_grads)),
+            "all_names": sorted(ref_grads), "errors": _errors(pm, lx, ly) if case.get("errors") else []}
+
+
+def _gathers_case(case: dict) -> dict:
+    """{collective: bytes} of a second train_step (FSDP initializes lazily in the first)."""
+    from autoshard.runtime.comm_check import measure_step_comm
+    from autoshard.runtime.pipeline_train import train_step
+
+    x, y = batch(case["model"], case["batch"])
+    pm = _parallelize(build_model(case["model"], case["layers"]), case, x)
+    lx, ly = pm.shard_inputs((x, y))
+    train_step(pm, (lx,), ly)
+    pm.zero_grad()
+    return {"case": case["id"], "comm": measure_step_comm(lambda: train_step(pm, (lx,), ly))}
 
 
 def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Run every case on this rank (all ranks run the same cases in the same order)."""
-    return [_one_case(c) for c in cases]
+    return [_gathers_case(c) if c.get("kind") == "gathers" else _grads_case(c) for c in cases]

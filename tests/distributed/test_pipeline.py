@@ -1,0 +1,202 @@
+"""Pipeline parallelism on 4 gloo ranks equals the single-process run, for every schedule and composition.
+
+All distributed cases share one spawned 4-rank world (rank start-up and process groups are paid once); each
+case has its own test reading the world's results. Per case and rank: one `train_step` of a global batch
+against a single-process copy of the same model (fp32, atol 1e-5): the loss, and the gradient of every
+parameter this rank holds. Models are tiny GPT-2 / Llama (hidden 32, 4 heads, sequence 8, vocabulary 64)
+with 2, 4 or 8 blocks, and the zoo's GQAGPT and MLP; plans are hand-made (`dist_plans` families plus a
+`PipelineSpec` with even chunks, chunk c on pp rank c mod degree).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from dist_harness import run_world
+from pipeline_helpers import batch, build_model, make_pipeline_plan, pipeline_cases
+
+from autoshard.errors import ConfigurationError
+
+pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+ATOL = 1e-5
+WORLD = 4
+
+# id: (model, blocks, mesh degrees, family, global batch, micro-batch, pipeline / plan options)
+CASES: dict[str, tuple[str, int, dict, str, int, int, dict]] = {
+    # pp=4: one chunk per rank (4 blocks), two per rank (8 blocks); 4 micro-batches of 1
+    "llama-pp4-gpipe": ("llama", 4, {"pp": 4}, "replicate", 4, 1, {"schedule": "gpipe"}),
+    "llama-pp4-1f1b": ("llama", 4, {"pp": 4}, "replicate", 4, 1, {"schedule": "1f1b"}),
+    "gpt2-pp4-interleaved-1f1b": ("gpt2", 8, {"pp": 4}, "replicate", 4, 1,
+                                  {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
+    "llama-pp4-looped-bfs": ("llama", 8, {"pp": 4}, "replicate", 4, 1,
+                             {"schedule": "looped-bfs", "virtual_stages": 2}),
+    # pp=2 x dp=2: 2 micro-batches of 2 per data-parallel replica
+    "gpt2-pp2-dp2-gpipe": ("gpt2", 4, {"pp": 2, "dp": 2}, "replicate", 8, 2, {"schedule": "gpipe"}),
+    "llama-pp2-dp2-1f1b": ("llama", 4, {"pp": 2, "dp": 2}, "replicate", 8, 2, {"schedule": "1f1b"}),
+    "llama-pp2-dp2-interleaved-1f1b": ("llama", 4, {"pp": 2, "dp": 2}, "replicate", 8, 2,
+                                       {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
+    "gpt2-pp2-dp2-looped-bfs": ("gpt2", 4, {"pp": 2, "dp": 2}, "replicate", 8, 2,
+                                {"schedule": "looped-bfs", "virtual_stages": 2}),
+    # with tensor parallelism (Megatron 1D, sequence parallel) and ZeRO-3 on the other axes
+    "gpt2-pp2-tp2-1f1b": ("gpt2", 4, {"pp": 2, "tp": 2}, "megatron", 4, 2, {"schedule": "1f1b"}),
+    "llama-pp2-tp2-interleaved-1f1b": ("llama", 4, {"pp": 2, "tp": 2}, "megatron", 4, 1,
+                                       {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
+    "llama-pp2-tp2-sp-gpipe": ("llama", 4, {"pp": 2, "tp": 2}, "megatron-sp", 4, 2, {"schedule": "gpipe"}),
+    "gpt2-pp2-dp2-zero3-interleaved-1f1b": ("gpt2", 4, {"pp": 2, "dp": 2}, "replicate", 8, 2,
+                                            {"schedule": "interleaved-1f1b", "virtual_stages": 2, "zero": 3,
+                                             "steps": 2}),
+    "llama-pp2-dp2-zero3-looped-bfs": ("llama", 4, {"pp": 2, "dp": 2}, "replicate", 8, 2,
+                                       {"schedule": "looped-bfs", "virtual_stages": 2, "zero": 3}),
+    # layered gradient accumulation without pipeline parallelism (degree 1): 2 chunks, and the whole model
+    "llama-layered-dp4-zero3-2chunks": ("llama", 4, {"dp": 4}, "replicate", 8, 1,
+                                        {"schedule": "looped-bfs", "virtual_stages": 2, "zero": 3}),
+    "gpt2-layered-dp4-zero3": ("gpt2", 2, {"dp": 4}, "replicate", 8, 1, {"schedule": "looped-bfs", "zero": 3}),
+    # the zoo's own models (GQAGPT: tied head, nanoGPT style; MLP: float inputs, regression loss)
+    "gqagpt-pp2-dp2-1f1b": ("gqagpt", 4, {"pp": 2, "dp": 2}, "replicate", 8, 2, {"schedule": "1f1b"}),
+    "mlp-pp4-gpipe": ("mlp", 4, {"pp": 4}, "replicate", 8, 2, {"schedule": "gpipe"}),
+    # tied embedding / head copies on ranks 0 and 3, gradients accumulated over two steps
+    "gpt2-pp4-1f1b-two-steps": ("gpt2", 4, {"pp": 4}, "replicate", 4, 1, {"schedule": "1f1b", "steps": 2,
+                                                                         "errors": True}),
+    # train_step without pipeline stages: depth-first accumulation over 2 micro-batches
+    "llama-dp2-tp2-zero3-no-pipeline": ("llama", 2, {"dp": 2, "tp": 2}, "megatron", 8, 2, {"zero": 3}),
+}
+# ZeRO-3 parameters all-gathered per step: layered (looped-bfs) once, depth-first once per micro-batch in
+# forward and once in backward; (schedule or None, micro-batch) with a global batch of 8 on dp=4
+GATHER_CASES = {"layered-1mb": ("looped-bfs", 2), "layered-2mb": ("looped-bfs", 1),
+                "depth-first-1mb": (None, 2), "depth-first-2mb": (None, 1)}
+
+
+@functools.cache
+def _graph(model: str, layers: int):
+    from autoshard.capture import capture
+
+    x, _ = batch(model, 2)
+    return capture(build_model(model, layers), (x,))
+
+
+def _case(case_id: str, model, layers, degrees, family, global_batch, micro_batch, options) -> dict:
+    options = dict(options)
+    extra = {k: options.pop(k) for k in ("steps", "errors") if k in options}
+    graph = _graph(model, layers)
+    plan = make_pipeline_plan(graph, degrees, family, global_batch=global_batch, micro_batch=micro_batch, **options)
+    return {"id": case_id, "model": model, "layers": layers, "batch": global_batch, "graph": graph, "plan": plan,
+            **extra}
+
+
+@functools.cache
+def _results() -> dict[str, list[dict]]:
+    cases = [_case(case_id, *spec) for case_id, spec in CASES.items()]
+    for case_id, (schedule, micro_batch) in GATHER_CASES.items():
+        options = {"schedule": schedule} if schedule else {}
+        cases.append({**_case(case_id, "gpt2", 2, {"dp": 4}, "replicate", 8, micro_batch, {"zero": 3, **options}),
+                      "kind": "gathers"})
+    per_rank = run_world(pipeline_cases, WORLD, cases, timeout_s=420)
+    return {r["case"]: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_loss_and_every_gradient_match_single_process(case_id, record_property):
+    results = _results()[case_id]
+    loss_diff = max(r["loss_diff"] for r in results)
+    grad_diff = max(r["grad_diff"] for r in results)
+    record_property("loss_diff", loss_diff)
+    record_property("grad_diff", grad_diff)
+    print(f"{case_id}: loss {loss_diff:.1e} grad {grad_diff:.1e} (at {max(results, key=lambda r: r['grad_diff'])['grad_worst']})")
+    assert all(r["loss_is_0dim"] for r in results)
+    assert loss_diff <= ATOL
+    assert grad_diff <= ATOL, [r["grad_worst"] for r in results]
+    # every parameter is held (and checked) somewhere, under its original name; nothing else is held
+    assert set().union(*(r["names"] for r in results)) == set(results[0]["all_names"])
+    assert not any(r["unknown_names"] for r in results)
+
+
+@pytest.mark.timeout(480)
+def test_pp4_ranks_hold_only_their_own_blocks():
+    results = _results()["llama-pp4-1f1b"]
+    blocks = [sorted({n.split(".")[2] for n in r["names"] if n.startswith("model.layers.")}) for r in results]
+    assert blocks == [["0"], ["1"], ["2"], ["3"]]
+    assert "model.embed_tokens.weight" in results[0]["names"] and "lm_head.weight" in results[3]["names"]
+
+
+@pytest.mark.timeout(480)
+def test_tied_embedding_and_head_are_copies_on_the_first_and_last_stage():
+    results = _results()["gpt2-pp4-1f1b-two-steps"]
+    assert "transformer.wte.weight" in results[0]["names"] and "lm_head.weight" not in results[0]["names"]
+    assert "lm_head.weight" in results[3]["names"] and "transformer.wte.weight" not in results[3]["names"]
+
+
+@pytest.mark.timeout(480)
+def test_pipelined_model_is_trained_through_train_step_with_the_planned_batch():
+    forward, wrong_batch = _results()["gpt2-pp4-1f1b-two-steps"][0]["errors"]
+    assert "call pm.train_step(inputs, target)" in forward
+    assert "inputs have shape (1, 8)" in wrong_batch and "(4, 8)" in wrong_batch
+
+
+@pytest.mark.timeout(480)
+def test_layered_accumulation_gathers_zero3_parameters_once_per_step():
+    results = _results()
+    gathered = {case_id: results[case_id][0]["comm"]["all_gather"] for case_id in GATHER_CASES}
+    one_pass = gathered["layered-1mb"]
+    assert gathered["layered-2mb"] == one_pass  # independent of the number of micro-batches
+    assert gathered["depth-first-1mb"] == 2 * one_pass  # forward and backward (re-gather) per micro-batch
+    assert gathered["depth-first-2mb"] == 4 * one_pass
+    reduced = {results[case_id][0]["comm"]["reduce_scatter"] for case_id in GATHER_CASES}
+    assert len(reduced) == 1  # gradients reduce-scattered once per step in every case
+
+
+# -- no process group needed ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gqagpt", "mlp"])
+def test_chunks_in_sequence_compute_exactly_the_models_forward(name):
+    from autoshard.runtime.pipeline_split import build_chunks
+
+    model = build_model(name, 4)
+    x, _ = batch(name, 2)
+    with torch.no_grad():
+        out = model(x)
+        h = x
+        for chunk in build_chunks(model, ((0, 1), (1, 1), (1, 3), (3, 4))):  # an empty chunk too
+            h = chunk(h)
+    want = out.logits if hasattr(out, "logits") else out
+    assert torch.equal(h, want)
+
+
+def test_chunks_keep_the_original_parameter_names():
+    from autoshard.runtime.pipeline_split import build_chunks
+
+    model = build_model("gpt2", 4)
+    first, last = build_chunks(model, ((0, 2), (2, 4)))
+    assert [n for n, _ in first.named_parameters()][:3] == ["transformer.wte.weight", "transformer.wpe.weight",
+                                                           "transformer.h.0.ln_1.weight"]
+    assert [n for n, _ in last.named_parameters()][-3:] == ["transformer.ln_f.weight", "transformer.ln_f.bias",
+                                                           "lm_head.weight"]
+
+
+def test_unknown_model_family_is_a_configuration_error_naming_its_class():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from autoshard.runtime.pipeline_split import family_of
+
+    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=64))
+    with pytest.raises(ConfigurationError, match="Qwen2ForCausalLM.*supported: GPT2LMHeadModel"):
+        family_of(model)
+
+
+def test_stage_layers_must_cover_the_blocks_in_order():
+    from autoshard.runtime.pipeline_split import build_chunks
+
+    with pytest.raises(ConfigurationError, match=r"do not cover the 4 blocks"):
+        build_chunks(build_model("llama", 4), ((0, 2), (3, 4)))
+
+
+def test_single_chunk_schedules_reject_virtual_stages():
+    from autoshard.runtime.pipeline import _schedule_name
+
+    plan = make_pipeline_plan(_graph("llama", 4), {"pp": 2}, "replicate", global_batch=4, micro_batch=1,
+                              schedule="1f1b", virtual_stages=2)
+    with pytest.raises(ConfigurationError, match="use interleaved-1f1b or looped-bfs"):
+        _schedule_name(plan)
