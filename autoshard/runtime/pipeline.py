@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,7 @@ from autoshard.runtime.mesh import build_device_mesh
 from autoshard.runtime.parallel_module import ParallelModule, RuntimeState
 from autoshard.runtime.pipeline_split import (
     PipelineChunk,
+    TiedCopy,
     build_chunks,
     family_of,
     prune_model,
@@ -64,7 +67,10 @@ from autoshard.runtime.pipeline_split import (
 )
 from autoshard.runtime.pipeline_train import PipelineState, TiedSync, train_step
 from autoshard.runtime.specs import ModuleSpec, module_specs
-from autoshard.runtime.tensor_parallel import distribute_parameters, install_module_runtimes
+from autoshard.runtime.tensor_parallel import distribute_parameters, install_module_runtimes, param_layouts
+
+if TYPE_CHECKING:
+    from autoshard.capture.ir import OpGraph
 
 __all__ = ["uses_pipeline", "apply_pipeline_plan", "apply_plan_to_stage", "build_pipeline_mesh",
            "PipelinedModule", "SCHEDULES"]
@@ -195,16 +201,6 @@ class PipelinedModule(ParallelModule):
         return train_step(self, inputs, target)
 
 
-@dataclass
-class _Layout:
-    """Where the chunks go: chunk c on pp rank c mod degree."""
-
-    degree: int
-    stage_layers: tuple[tuple[int, int], ...]
-    pp_rank: int
-    local: list[int] = field(default_factory=list)
-
-
 def _stage_layers(plan: Plan, num_blocks: int) -> tuple[tuple[int, int], ...]:
     pipe = plan.pipeline
     chunks = pipe.degree * pipe.virtual_stages
@@ -221,7 +217,8 @@ def _stage_layers(plan: Plan, num_blocks: int) -> tuple[tuple[int, int], ...]:
     return even_stage_layers(num_blocks, chunks)
 
 
-def _schedule_name(plan: Plan) -> str:
+def _check_schedule(plan: Plan) -> str:
+    """The torch schedule the plan's pipeline runs as, checked against its chunks and micro-batches."""
     pipe = plan.pipeline
     name = "looped-bfs" if pipe.layered else pipe.schedule
     if pipe.layered and pipe.schedule != "looped-bfs":
@@ -229,6 +226,14 @@ def _schedule_name(plan: Plan) -> str:
     if pipe.virtual_stages > 1 and name not in _MULTI_CHUNK:
         raise ConfigurationError(f"schedule {name!r} runs one chunk per rank but the plan has "
                                  f"{pipe.virtual_stages} virtual stages; use interleaved-1f1b or looped-bfs")
+    m, degree = plan.num_microbatches, pipe.degree
+    if name == "1f1b" and m < degree:
+        raise ConfigurationError(f"1F1B needs at least as many micro-batches as stages: {m} < {degree}; raise "
+                                 "the global batch, lower the micro-batch or use gpipe")
+    rounds = max(1, m // degree)
+    if name == "interleaved-1f1b" and m % rounds:
+        raise ConfigurationError(f"interleaved 1F1B needs a number of micro-batches that is a multiple of "
+                                 f"{rounds} (micro-batches // pp degree), got {m}")
     return name
 
 
@@ -238,7 +243,8 @@ def _chunk_io(chunks: list[PipelineChunk], example: torch.Tensor, micro_batch: i
     hands them over)."""
     io = []
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-        x = torch.empty((micro_batch, *example.shape[1:]), dtype=example.dtype)
+        device = next(chunks[0].parameters(), example).device
+        x = torch.empty((micro_batch, *example.shape[1:]), dtype=example.dtype, device=device)
         for chunk in chunks:
             y = chunk.run(x)
             io.append((_meta(x, grad=not chunk.is_first), _meta(y, grad=True)))
@@ -255,41 +261,65 @@ def _chunk_specs(specs: dict[str, ModuleSpec], chunk: PipelineChunk) -> dict[str
     return {p: s for p, s in specs.items() if any(p == r or p.startswith(r + ".") for r in roots)}
 
 
-def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph, example_inputs: tuple, loss_fn,
-                        device_type: str = "cpu") -> PipelinedModule:
+def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None = None, example_inputs: tuple,
+                        loss_fn: Callable | None, device_type: str = "cpu") -> PipelinedModule:
     """Build this rank's stages of `model` as `plan` says and the schedule that runs them (module docstring).
 
-    Call on every rank. Returns `model` itself, pruned to this rank's chunks, as a `PipelinedModule`."""
+    `example_inputs`: one input tensor of any batch size (its other dims fix the stages' static shapes);
+    `loss_fn(model_output, target) -> scalar` runs on the last stage. Call on every rank. Returns `model`
+    itself, pruned to this rank's chunks, as a `PipelinedModule`."""
     if loss_fn is None:
         raise ConfigurationError("a pipelined plan computes the loss on the last stage: pass "
                                  "autoparallel(..., loss_fn=fn) with fn(model_output, target) -> scalar")
     example = _single_input(example_inputs)
-    register_dtensor_rules()
-    full = build_pipeline_mesh(plan, device_type=device_type)
-    specs = module_specs(plan, graph, model)  # on the whole model: tied parameters still tied
-    name = _schedule_name(plan)
+    name = _check_schedule(plan)  # every user error before the first collective
     chunks = build_chunks(model, _stage_layers(plan, len(model.get_submodule(family_of(model).blocks))))
-    layout = _Layout(degree=plan.pipeline.degree, stage_layers=tuple(c.layers for c in chunks),
-                     pp_rank=full.get_local_rank("pp"))
-    layout.local = [c.index for c in chunks if c.index % layout.degree == layout.pp_rank]
+    specs = module_specs(plan, graph, model)  # on the whole model: tied parameters still tied
+    register_dtensor_rules()
+    full = build_pipeline_mesh(plan, device_type=device_type)  # 1
+    degree, pp_rank = plan.pipeline.degree, full.get_local_rank("pp")
+    local = [c for c in chunks if c.index % degree == pp_rank]  # 2
     io = _chunk_io(chunks, example, plan.micro_batch)
-    tied = untie_across_chunks(chunks, set(layout.local))
-    local = [chunks[c] for c in layout.local]
-    prune_model(model, chunks[0].family, local)
+    tied = untie_across_chunks(chunks, {c.index for c in local})
     mesh = _stage_mesh(full, plan, device_type)
+    _check_tied_layouts(tied, specs, chunks, mesh)
+    prune_model(model, chunks[0].family, local)
     dp = full.size(full.mesh_dim_names.index("dp")) if "dp" in full.mesh_dim_names else 1
-    for chunk in local:
+    for chunk in local:  # 3
         if mesh is not None:
             apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh)
             chunk.boundary = _SPMDBoundary(mesh, grad_scale=1.0 / dp if chunk.is_last else 1.0)
         if name == "looped-bfs":
             _gather_once_per_step(chunk)
-    stages = _stages(local, io, full, device_type)
+    stages = _stages(local, io, full, device_type)  # 4
     state = PipelineState(plan=plan, mesh=full, family=chunks[0].family, chunks=local, stages=stages,
                           schedule_name=name, loss_fn=loss_fn, example_shape=tuple(example.shape[1:]),
-                          tied=TiedSync.build(tied, local, full, layout.degree))
+                          tied=TiedSync.build(tied, local, full, degree))
     state.schedule = _schedule(name, stages, plan.num_microbatches, state.micro_loss)
     return _make_pipelined(model, plan, full, state)
+
+
+def _check_tied_layouts(tied: list[TiedCopy], specs: dict[str, ModuleSpec], chunks: list[PipelineChunk],
+                        mesh: DeviceMesh | None) -> None:
+    """The copies of a tied parameter are summed shard by shard: they must be stored alike (same DTensor
+    placements, same ZeRO sharding, not split)."""
+    for group in tied:
+        layouts = set()
+        for c, path, name in group.holders:
+            spec = specs.get(path)
+            if spec is not None and spec.split > 1:
+                raise ConfigurationError(f"tied parameter {path}.{name} is planned with operator splitting; "
+                                         "plan it with split=1")
+            if mesh is None:
+                continue
+            placed = spec is not None and name in spec.params
+            storage = param_layouts(spec, chunks[c].get_submodule(path), name, mesh)[0] if placed else None
+            layouts.add((str(storage), spec is not None and spec.zero > 0))
+        if len(layouts) > 1:
+            paths = " and ".join(f"{path}.{name}" for _, path, name in group.holders)
+            raise ConfigurationError(f"{paths} are one parameter on different pipeline stages, planned with "
+                                     f"different layouts {sorted(layouts)}; the pipeline runtime needs one "
+                                     "(storage placement and ZeRO sharding) to sum their gradients")
 
 
 def _single_input(example_inputs) -> torch.Tensor:
@@ -307,17 +337,9 @@ def _stages(local: list[PipelineChunk], io: list[tuple], full: DeviceMesh, devic
                           output_args=io[chunk.index][1], group=group) for chunk in local]
 
 
-def _schedule(name: str, stages: list[PipelineStage], num_microbatches: int, loss_fn):
+def _schedule(name: str, stages: list[PipelineStage], num_microbatches: int, loss_fn: Callable):
     cls = SCHEDULES[name]
-    degree = stages[0].group_size
-    if name == "1f1b" and num_microbatches < degree:
-        raise ConfigurationError(f"1F1B needs at least as many micro-batches as stages: "
-                                 f"{num_microbatches} < {degree}; raise the global batch or use gpipe")
-    rounds = max(1, num_microbatches // degree)
-    if name == "interleaved-1f1b" and num_microbatches % rounds:
-        raise ConfigurationError(f"interleaved 1F1B needs a number of micro-batches that is a multiple of "
-                                 f"{rounds} (micro-batches // pp degree), got {num_microbatches}")
-    # the loss is divided by the number of micro-batches already (train_step): no second scaling
+    # the loss is divided by the number of micro-batches already (PipelineState.micro_loss): no second scaling
     if name in _MULTI_CHUNK:
         return cls(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)

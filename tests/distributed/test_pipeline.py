@@ -53,6 +53,8 @@ CASES: dict[str, tuple[str, int, dict, str, int, int, dict]] = {
     # layered gradient accumulation without pipeline parallelism (degree 1): 2 chunks, and the whole model
     "llama-layered-dp4-zero3-2chunks": ("llama", 4, {"dp": 4}, "replicate", 8, 1,
                                         {"schedule": "looped-bfs", "virtual_stages": 2, "zero": 3}),
+    "gpt2-layered-dp2-tp2-2chunks": ("gpt2", 4, {"dp": 2, "tp": 2}, "megatron", 8, 2,
+                                     {"schedule": "looped-bfs", "virtual_stages": 2}),  # tied copies on one rank
     "gpt2-layered-dp4-zero3": ("gpt2", 2, {"dp": 4}, "replicate", 8, 1, {"schedule": "looped-bfs", "zero": 3}),
     # the zoo's own models (GQAGPT: tied head, nanoGPT style; MLP: float inputs, regression loss)
     "gqagpt-pp2-dp2-1f1b": ("gqagpt", 4, {"pp": 2, "dp": 2}, "replicate", 8, 2, {"schedule": "1f1b"}),
@@ -193,10 +195,16 @@ def test_stage_layers_must_cover_the_blocks_in_order():
         build_chunks(build_model("llama", 4), ((0, 2), (3, 4)))
 
 
-def test_single_chunk_schedules_reject_virtual_stages():
-    from autoshard.runtime.pipeline import _schedule_name
+@pytest.mark.parametrize(("schedule", "virtual_stages", "micro_batch", "message"), [
+    ("1f1b", 2, 1, "use interleaved-1f1b or looped-bfs"),
+    ("gpipe", 2, 1, "use interleaved-1f1b or looped-bfs"),
+    ("1f1b", 1, 4, "1F1B needs at least as many micro-batches as stages: 1 < 2"),
+])
+def test_schedule_and_micro_batches_are_checked_before_any_collective(schedule, virtual_stages, micro_batch,
+                                                                      message):
+    from autoshard.runtime.pipeline import _check_schedule
 
-    plan = make_pipeline_plan(_graph("llama", 4), {"pp": 2}, "replicate", global_batch=4, micro_batch=1,
-                              schedule="1f1b", virtual_stages=2)
-    with pytest.raises(ConfigurationError, match="use interleaved-1f1b or looped-bfs"):
-        _schedule_name(plan)
+    plan = make_pipeline_plan(_graph("llama", 4), {"pp": 2}, "replicate", global_batch=4, micro_batch=micro_batch,
+                              schedule=schedule, virtual_stages=virtual_stages)
+    with pytest.raises(ConfigurationError, match=message):
+        _check_schedule(plan)
