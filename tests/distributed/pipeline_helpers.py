@@ -91,9 +91,17 @@ def make_pipeline_plan(graph, degrees: dict[str, int], family: str, *, global_ba
 
 
 def _parallelize(model: nn.Module, case: dict, x: torch.Tensor) -> nn.Module:
+    """Through `apply_pipeline_plan` / `apply_plan`, or (case["public_api"]) through `autoparallel`."""
     from autoshard.runtime.pipeline import apply_pipeline_plan, uses_pipeline
 
     plan = case["plan"]
+    if case.get("public_api"):
+        import torch.distributed as dist
+
+        from autoshard.runtime import autoparallel
+
+        return autoparallel(model, f"1x{dist.get_world_size()}xcpu", example_inputs=(x[:2],),
+                            global_batch=case["batch"], plan=plan, graph=case["graph"], loss_fn=loss_fn)
     if uses_pipeline(plan):
         return apply_pipeline_plan(model, plan, graph=case["graph"], example_inputs=(x[:1],), loss_fn=loss_fn)
     from autoshard.runtime import apply_plan, build_device_mesh
@@ -143,7 +151,8 @@ def _grads_case(case: dict) -> dict:
     ref_grads = {n: steps * p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
     pm = _parallelize(model, case, x)
     lx, ly = pm.shard_inputs((x, y))
-    losses = [train_step(pm, (lx,), ly) for _ in range(steps)]
+    step = pm.train_step if case.get("public_api") else lambda *a: train_step(pm, *a)
+    losses = [step((lx,), ly) for _ in range(steps)]
     local_names = [n for n, _ in pm.named_parameters(remove_duplicate=False)]
     names = [n for n in ref_grads if n in set(local_names)]
     got = {n: g.detach() for n, g in full_named(pm, names, grads=True).items()}

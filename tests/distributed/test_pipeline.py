@@ -65,6 +65,11 @@ CASES: dict[str, tuple[str, int, dict, str, int, int, dict]] = {
     # train_step without pipeline stages: depth-first accumulation over 2 micro-batches
     "llama-dp2-tp2-zero3-no-pipeline": ("llama", 2, {"dp": 2, "tp": 2}, "megatron", 8, 2, {"zero": 3}),
 }
+# through the public entry point, autoparallel(..., loss_fn=...) and pm.train_step (once entry.py passes
+# loss_fn on; see _public_api_wired)
+PUBLIC_API_CASES = {
+    "public-api-llama-pp2-dp2-1f1b": ("llama", 4, {"pp": 2, "dp": 2}, "replicate", 8, 2, {"schedule": "1f1b"}),
+}
 # ZeRO-3 parameters all-gathered per step: layered (looped-bfs) once, depth-first once per micro-batch in
 # forward and once in backward; (schedule or None, micro-batch) with a global batch of 8 on dp=4
 GATHER_CASES = {"layered-1mb": ("looped-bfs", 2), "layered-2mb": ("looped-bfs", 1),
@@ -88,9 +93,19 @@ def _case(case_id: str, model, layers, degrees, family, global_batch, micro_batc
             **extra}
 
 
+def _public_api_wired() -> bool:
+    import inspect
+
+    from autoshard.runtime import autoparallel
+
+    return "loss_fn" in inspect.signature(autoparallel).parameters
+
+
 @functools.cache
 def _results() -> dict[str, list[dict]]:
     cases = [_case(case_id, *spec) for case_id, spec in CASES.items()]
+    if _public_api_wired():
+        cases += [{**_case(case_id, *spec), "public_api": True} for case_id, spec in PUBLIC_API_CASES.items()]
     for case_id, (schedule, micro_batch) in GATHER_CASES.items():
         options = {"schedule": schedule} if schedule else {}
         cases.append({**_case(case_id, "gpt2", 2, {"dp": 4}, "replicate", 8, micro_batch, {"zero": 3, **options}),
@@ -114,6 +129,17 @@ def test_loss_and_every_gradient_match_single_process(case_id, record_property):
     # every parameter is held (and checked) somewhere, under its original name; nothing else is held
     assert set().union(*(r["names"] for r in results)) == set(results[0]["all_names"])
     assert not any(r["unknown_names"] for r in results)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case_id", list(PUBLIC_API_CASES))
+def test_autoparallel_with_a_loss_fn_trains_a_pipelined_plan_through_train_step(case_id):
+    if not _public_api_wired():
+        pytest.skip("autoparallel() does not take loss_fn yet")
+    results = _results()[case_id]
+    assert max(r["loss_diff"] for r in results) <= ATOL
+    assert max(r["grad_diff"] for r in results) <= ATOL
+    assert set().union(*(r["names"] for r in results)) == set(results[0]["all_names"])
 
 
 @pytest.mark.timeout(480)
