@@ -16,6 +16,7 @@ __all__ = [
     "InfeasiblePlanError",
     "PlanFileError",
     "RuntimeSetupError",
+    "CheckpointError",
 ]
 
 
@@ -53,3 +54,7 @@ class PlanFileError(AutoshardError):
 
 class RuntimeSetupError(AutoshardError):
     """The distributed environment does not match the plan (world size, backend, devices)."""
+
+
+class CheckpointError(AutoshardError):
+    """A checkpoint path that is missing, corrupt, of another model, or cannot be written."""

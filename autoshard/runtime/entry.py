@@ -18,6 +18,7 @@ from torch import nn
 from autoshard.errors import ConfigurationError, RuntimeSetupError
 from autoshard.planner.plan import Plan
 from autoshard.runtime.apply import apply_plan
+from autoshard.runtime.failure import align_group_timeouts, distributed_phase
 from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, build_device_mesh, init_distributed
 from autoshard.runtime.parallel_module import ParallelModule
 
@@ -83,12 +84,14 @@ def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_
         log.info("space / memory_cap steer the planner; ignored because a plan was given")
     num_ranks, device_type = resolve_cluster(cluster)
     init_distributed(device_type=device_type, timeout_s=timeout_s)
-    _check_job(plan, num_ranks, global_batch)
-    if graph is None:
-        from autoshard.capture import capture
+    with distributed_phase("autoparallel"):  # a failure on one rank names it on every rank
+        _check_job(plan, num_ranks, global_batch)
+        if graph is None:
+            from autoshard.capture import capture
 
-        graph = capture(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
-    if device_type == "cuda":
-        model.to(torch.device("cuda", torch.cuda.current_device()))
-    mesh = build_device_mesh(plan.mesh, device_type=device_type)
-    return apply_plan(model, plan, graph=graph, mesh=mesh)
+            graph = capture(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
+        if device_type == "cuda":
+            model.to(torch.device("cuda", torch.cuda.current_device()))
+        mesh = build_device_mesh(plan.mesh, device_type=device_type)
+        align_group_timeouts()  # the mesh's sub-groups get the default group's timeout, not gloo's 30 minutes
+        return apply_plan(model, plan, graph=graph, mesh=mesh)

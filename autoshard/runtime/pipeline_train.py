@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.errors import ConfigurationError
 from autoshard.planner.plan import Plan
+from autoshard.runtime.failure import distributed_phase
 from autoshard.runtime.pipeline_split import ChunkFamily, PipelineChunk, TiedCopy
 
 __all__ = ["PipelineState", "TiedSync", "train_step", "attach_loss_fn"]
@@ -198,6 +199,7 @@ def train_step(model: nn.Module, inputs, target: torch.Tensor) -> torch.Tensor:
     loss function takes as its second argument, sliced the same way."""
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     state = getattr(model, "_autoshard_pipeline", None)
-    if state is None:
-        return _spmd_step(model, inputs, target)
-    return _pipeline_step(state, inputs, target)
+    with distributed_phase("train_step"):  # a failure on one rank names it on every rank
+        if state is None:
+            return _spmd_step(model, inputs, target)
+        return _pipeline_step(state, inputs, target)
