@@ -164,7 +164,7 @@ def _edge_vars(lp, tg, strategies, x, ctx, recompute_full: bool):
             _eq(lp, [(y[a, b], 1.0) for a in range(len(outs))],
                 [(x[StratVar(e.dst, i)], 1.0) for i, g in enumerate(key_of) if g == b])
         for (a, b), var in y.items():
-            c = edge_cost(e.meta, outs[a], keys[b][0], keys[b][1], ctx, regather=keys[b][2])
+            c = edge_cost(e.meta, outs[a], keys[b][0], keys[b][1], ctx, regather=keys[b][2], share=1 / e.fanout)
             t = c.time_s + (c.fwd_s if recompute_full and e.in_block else 0.0)
             if t == float("inf"):
                 var.upBound = 0

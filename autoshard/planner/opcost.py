@@ -263,34 +263,75 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
 
 # -- edges -------------------------------------------------------------------------------------------------
 def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozenset[str],
-              ctx: PlanContext, *, regather: bool = False) -> EdgeCost:
+              ctx: PlanContext, *, regather: bool = False, share: float = 1.0) -> EdgeCost:
     """Redistribute a tensor from its producer's layout `src` to its consumer's `dst`, and its gradient back.
     `regather`: the consumer keeps only the shard for backward (sequence parallel, 2D) and gathers it again
-    there, so every forward all-gather happens once more in backward."""
+    there, so every forward all-gather happens once more in backward.
+    `share`: this edge's part of a redistribution its producer's consumers share (1 / their number): the
+    runtime redistributes a producer's output once for all consumers that want one layout, and sums their
+    partial gradients before one reduction (q, k and v reading one norm output). A regathering consumer
+    gathers inside its own recomputation and pays in full. Consumers wanting different layouts each pay
+    their own redistribution in the runtime, which `share` then under-prices by at most the fan-out.
+
+    When several axes change, each collective moves the tensor as sharded at that moment: DTensor's greedy
+    redistribution (`_redistribute.py`) walks the axes innermost first when the tensor is sharded anywhere,
+    outermost first otherwise, so a partial output is reduced while still sharded on the other axes and the
+    last gather moves the whole tensor (`_redistribution_steps`)."""
     if not meta.batch_dims:  # a tensor without a batch dim is never batch-sharded
         src, dst = _drop_batch(src), _drop_batch(dst)
     full = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch)
+    axes = ctx.mesh.tp_axes  # dp is S(batch) on both ends: nothing moves
+    if any(dst.get(a) == PARTIAL and src.get(a) != PARTIAL for a in axes):
+        return EdgeCost(math.inf, math.inf)  # partial sums cannot be made from anything else
+    batch_on_dp = bool(meta.batch_dims) and ctx.mesh.degree("dp") > 1
+    # the gradient leaves the consumer partial where its input was replicated but its work split through the
+    # weight, and must end where the producer's output lay (a partial output's gradient is replicated)
+    grad_from = {a: PARTIAL if a in grad_partial and dst.get(a) == REPLICATE else dst.get(a) for a in axes}
+    grad_to = {a: REPLICATE if src.get(a) == PARTIAL else src.get(a) for a in axes}
     fwd = bwd = 0.0
     comm: list[tuple[str, float]] = []
-    for axis in ctx.mesh.tp_axes:  # dp is S(batch) on both ends: nothing moves
-        s, d = src.get(axis), dst.get(axis)
-        others = math.prod(ctx.mesh.degree(a) for a, p in dst.items
-                           if a not in (axis, "dp") and p.startswith("S("))
-        size = full / others
-        f_kind, b_kind = _transition(s, d, axis in grad_partial)
-        if f_kind == "invalid":
-            return EdgeCost(math.inf, math.inf)
-        nbytes = size / ctx.mesh.degree(axis) if f_kind == "all_to_all" else size
-        if f_kind:
-            fwd += ctx.collective_s(f_kind, nbytes, (axis,))
-            comm.append((f_kind, nbytes))
-            if regather and f_kind == "all_gather":
-                bwd += ctx.collective_s(f_kind, nbytes, (axis,))
-                comm.append((f_kind, nbytes))
-        if b_kind:
-            bwd += ctx.collective_s(b_kind, nbytes, (axis,))
-            comm.append((b_kind, nbytes))
+    for kind, axis, nbytes in _redistribution_steps({a: src.get(a) for a in axes},
+                                                     {a: dst.get(a) for a in axes}, full, batch_on_dp, ctx):
+        t = ctx.collective_s(kind, nbytes, (axis,))
+        fwd += t
+        comm.append((kind, nbytes))
+        if regather and kind == "all_gather":
+            bwd += t
+            comm.append((kind, nbytes))
+    for kind, axis, nbytes in _redistribution_steps(grad_from, grad_to, full, batch_on_dp, ctx):
+        bwd += ctx.collective_s(kind, nbytes, (axis,))
+        comm.append((kind, nbytes))
+    if share != 1.0 and not regather:
+        return EdgeCost(fwd * share, bwd * share, tuple((k, b * share) for k, b in comm))
     return EdgeCost(fwd, bwd, tuple(comm))
+
+
+def _redistribution_steps(start: dict[str, str], end: dict[str, str], full: float, batch_on_dp: bool,
+                          ctx: PlanContext) -> list[tuple[str, str, float]]:
+    """(collective, axis, bytes) of moving a tensor of `full` bytes per replica from placements `start` to
+    `end` on the tensor-parallel axes, one axis at a time in DTensor's greedy order (see `edge_cost`); bytes
+    as nccl-tests count them: the gathered output, the reduce-scatter input, what one rank sends all-to-all."""
+    state = dict(start)
+    sharded = batch_on_dp or any(p.startswith("S(") for p in state.values())
+    order = list(reversed(state)) if sharded else list(state)
+    steps = []
+    for axis in order:
+        kind = _collective(state[axis], end[axis])
+        if kind:
+            others = math.prod(ctx.mesh.degree(a) for a, p in state.items() if a != axis and p.startswith("S("))
+            nbytes = full / others / (ctx.mesh.degree(axis) if kind == "all_to_all" else 1)
+            steps.append((kind, axis, nbytes))
+        state[axis] = end[axis]
+    return steps
+
+
+def _collective(s: str, d: str) -> str | None:
+    """The collective that takes one axis from placement s to d (None: nothing, or a local slice)."""
+    if s in (d, REPLICATE):
+        return None
+    if s == PARTIAL:
+        return "all_reduce" if d == REPLICATE else "reduce_scatter"
+    return "all_gather" if d == REPLICATE else "all_to_all"
 
 
 def _drop_batch(lay: Layout) -> Layout:
@@ -299,20 +340,3 @@ def _drop_batch(lay: Layout) -> Layout:
         if p == BATCH:
             out = out.with_(a, REPLICATE)
     return out
-
-
-def _transition(s: str, d: str, partial_grad: bool) -> tuple[str | None, str | None]:
-    """(forward collective, backward collective) to go from placement s to d on one axis."""
-    if d == PARTIAL and s != PARTIAL:
-        return "invalid", None
-    if s == d:
-        return None, ("all_reduce" if partial_grad and d == REPLICATE else None)
-    if s == REPLICATE:  # slice forward; the gradient must be gathered back
-        return None, "all_gather"
-    if s == PARTIAL:
-        if d == REPLICATE:
-            return "all_reduce", ("all_reduce" if partial_grad else None)
-        return "reduce_scatter", "all_gather"
-    if d == REPLICATE:  # a shard gathered; a partial gradient is reduce-scattered back, a full one sliced
-        return "all_gather", ("reduce_scatter" if partial_grad else None)
-    return "all_to_all", "all_to_all"

@@ -24,12 +24,12 @@ def _local_time(graph, tg, name, st, assign, ctx, firsts) -> float:
         if e.dst == name:
             t += edge_cost(e.meta, assign[e.src].output, st.inputs[e.index],
                            grad_partial_axes(st) if e.index == 0 else frozenset(), ctx,
-                           regather=st.save_sharded_input and e.index == 0).time_s
+                           regather=st.save_sharded_input and e.index == 0, share=1 / e.fanout).time_s
         elif e.src == name:
             dst = assign[e.dst]
             t += edge_cost(e.meta, st.output, dst.inputs[e.index],
                            grad_partial_axes(dst) if e.index == 0 else frozenset(), ctx,
-                           regather=dst.save_sharded_input and e.index == 0).time_s
+                           regather=dst.save_sharded_input and e.index == 0, share=1 / e.fanout).time_s
     if name in tg.outputs:
         t += edge_cost(op.output_meta, st.output, sink_layout(ctx), frozenset(), ctx).time_s
     return t

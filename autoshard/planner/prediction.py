@@ -7,14 +7,16 @@ distributed tests compare the two, so the cost model prices what actually runs.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.evaluate import Evaluation, evaluate
 from autoshard.planner.plan import Plan
+from autoshard.planner.strategies import same_strategy
 from autoshard.planner.template import template_for
 
-__all__ = ["context_for", "evaluate_plan", "predicted_step_comm", "predicted_param_bytes"]
+__all__ = ["context_for", "priced_graph", "evaluate_plan", "predicted_step_comm", "predicted_param_bytes"]
 
 
 def context_for(plan: Plan, cluster, graph: OpGraph) -> PlanContext:
@@ -23,8 +25,22 @@ def context_for(plan: Plan, cluster, graph: OpGraph) -> PlanContext:
                        recompute=plan.recompute, seq=graph.seq_len)
 
 
+def priced_graph(plan: Plan, graph: OpGraph) -> OpGraph:
+    """`graph` itself when the plan gives every instance of a repeated block the same strategies (as the
+    planner does), else `graph` without its block structure, so that each block is priced as planned (plans
+    written by hand may mix strategies across blocks)."""
+    by_op = {p.op: p.strategy for p in plan.ops}
+    for group in graph.blocks:
+        for names in group.op_names[1:]:
+            for first, name in zip(group.op_names[0], names, strict=True):
+                if first in by_op and name in by_op and not same_strategy(by_op[first], by_op[name]):
+                    return replace(graph, blocks=())
+    return graph
+
+
 def evaluate_plan(plan: Plan, graph: OpGraph, cluster) -> Evaluation:
     assign = {p.op: p.strategy for p in plan.ops}
+    graph = priced_graph(plan, graph)
     return evaluate(graph, assign, context_for(plan, cluster, graph), plan.pipeline, global_batch=plan.global_batch)
 
 
@@ -32,6 +48,7 @@ def predicted_step_comm(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) 
     """Bytes (full buffer per call, nccl-tests convention) per collective kind one rank of pipeline stage
     `stage` issues in one iteration: every micro-batch's op and edge traffic, plus once-per-step gradient
     synchronization."""
+    graph = priced_graph(plan, graph)
     ev = evaluate_plan(plan, graph, cluster)
     tg, stage_of = template_for(graph, plan.pipeline)
     m = plan.num_microbatches
@@ -56,7 +73,13 @@ def predicted_step_comm(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) 
 
 
 def predicted_param_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
-    """Parameter bytes one rank of `stage` holds between steps (sharded storage, ZeRO-3 shards)."""
+    """Parameter bytes one rank of `stage` holds between steps: tensor-parallel storage shards, divided over dp
+    at any ZeRO level above 0. FSDP2 stores ZeRO-2 parameters sharded too and gathers them once per step; the
+    memory model's `params_bytes` counts them whole, as the step's peak holds them."""
+    graph = priced_graph(plan, graph)
     ev = evaluate_plan(plan, graph, cluster)
     _, stage_of = template_for(graph, plan.pipeline)
-    return sum(c.param_bytes for name, c in ev.op_costs.items() if stage_of[name] == stage)
+    zero = {p.op: p.strategy.zero for p in plan.ops}
+    dp = plan.mesh.degree("dp")
+    return sum(c.param_bytes / (dp if zero.get(name, 0) in (1, 2) else 1)
+               for name, c in ev.op_costs.items() if stage_of[name] == stage)

@@ -302,14 +302,15 @@ def _edge_minima(tg, cand: Candidate, prep: _Prepared, cache: dict) -> dict:
         src_outs = {s.output for s in prep.strategies[e.src]}
         per_strategy = []
         for st in prep.strategies[e.dst]:
-            key = (consumer_key(st, e.index), e.meta, e.in_block and full, cand.mesh, cand.micro_batch)
+            key = (consumer_key(st, e.index), e.meta, e.in_block and full, cand.mesh, cand.micro_batch, e.fanout)
             if key not in cache:
                 cache[key] = {}
             table = cache[key]
             best = math.inf
             for lay in src_outs:
                 if lay not in table:
-                    c = edge_cost(e.meta, lay, key[0][0], key[0][1], prep.ctx, regather=key[0][2])
+                    c = edge_cost(e.meta, lay, key[0][0], key[0][1], prep.ctx, regather=key[0][2],
+                                  share=1 / e.fanout)
                     table[lay] = c.time_s + (c.fwd_s if key[2] else 0.0)
                 best = min(best, table[lay])
             per_strategy.append(best)

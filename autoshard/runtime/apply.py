@@ -2,8 +2,9 @@
 
     1. the model object becomes a `ParallelModule` (same object, same parameter names);
     2. tensor parallel: parameters become DTensors on the plan's mesh with their storage placement, and every
-       planned leaf-module call redistributes its inputs, weights and output (tensor_parallel.py);
-    3. statistics-parallel norms where a norm's input is sharded on the hidden dim (norms.py);
+       planned leaf-module call redistributes its inputs, weights and output (tensor_parallel.py); embeddings
+       with sharded rows look up vocabulary-parallel (embedding.py);
+    3. statistics-parallel norms, used when a norm's input arrives sharded on the hidden dim (norms.py);
     4. operator splitting of the Linears planned with split > 1 (split.py);
     5. sharded data parallel per op: FSDP2 in SPMD mode on the dp mesh dim (data_parallel.py).
 
@@ -18,7 +19,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.capture.ir import OpGraph
-from autoshard.planner.layouts import FEAT
 from autoshard.planner.plan import Plan
 from autoshard.runtime.data_parallel import apply_operator_splitting, apply_sharded_data_parallel
 from autoshard.runtime.dtensor_ext import register_dtensor_rules
@@ -32,10 +32,11 @@ __all__ = ["apply_plan"]
 log = logging.getLogger(__name__)
 
 
-def apply_plan(model: nn.Module, plan: Plan, *, graph: OpGraph, mesh: DeviceMesh) -> ParallelModule:
+def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph | None = None) -> ParallelModule:
     """Parallelize `model` in place as `plan` says, on `mesh` (from `build_device_mesh(plan.mesh)`).
 
-    `graph` is the `OpGraph` the plan was made from (it names each op's producers). Call on every rank.
+    The plan names each op's producers, so it is all the runtime needs; `graph`, the `OpGraph` the plan was made
+    from, is optional: when given, the plan's fingerprint is checked against it. Call on every rank.
     """
     register_dtensor_rules()
     specs = module_specs(plan, graph, model)
@@ -51,7 +52,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, graph: OpGraph, mesh: DeviceMesh
 
 def _statistics_parallel_norms(specs: dict[str, ModuleSpec], runtimes: dict[str, ModuleRuntime]) -> None:
     for path, spec in specs.items():
-        if spec.kind == "norm" and spec.inputs and any(p == FEAT for _, p in spec.inputs[0].items):
+        if spec.kind == "norm":
             fn = statistics_parallel_forward(runtimes[path].module)
             if fn is not None:
                 runtimes[path].compute = fn

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoshard.errors import ConfigurationError
+from autoshard.planner.layouts import IN
 from autoshard.runtime.specs import ModuleSpec, param_owners
 from autoshard.runtime.split import SplitLinear, split_linear
 from autoshard.runtime.tensor_parallel import ModuleRuntime
@@ -52,12 +53,21 @@ def apply_operator_splitting(model: nn.Module, specs: dict[str, ModuleSpec],
         if spec.kind != "linear" or any(id(p) in shared for p in module.parameters(recurse=False)):
             raise ConfigurationError(f"op {spec.op}: operator splitting needs an untied Linear, got "
                                      f"{type(module).__name__}; plan it with split=1")
-        if runtime.compute_placements:
-            raise ConfigurationError(f"op {spec.op}: operator splitting of a 2D/3D Linear is not supported; "
-                                     "plan it with split=1")
+        if _input_dim_sharded(module, spec):
+            # the slices would cut across the tensor-parallel shards of the input dim: run the Linear whole
+            # (the same collectives and bytes in one call instead of S; its gathered weight is not cut to 1/S)
+            log.warning("op %s: split %d ignored: its weight's input dim is sharded on a tensor-parallel axis",
+                        spec.op, spec.split)
+            continue
         split = split_linear(model, path, spec.split)
         runtime.module, runtime.compute = split, functools.partial(SplitLinear.forward, split)
         split.forward = runtime
+
+
+def _input_dim_sharded(module: nn.Module, spec: ModuleSpec) -> bool:
+    """Is the weight's input dim sharded on a tensor-parallel axis where it is stored or computed?"""
+    weight = spec.params.get("weight")
+    return weight is not None and any(p == IN for lay in (weight.storage, weight.compute) for _, p in lay.items)
 
 
 def _groups(model: nn.Module, specs: dict[str, ModuleSpec]) -> list[tuple[list[nn.Module], int]]:

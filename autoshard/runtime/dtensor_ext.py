@@ -16,6 +16,8 @@
      `_StridedShard`) into its parts locally; DTensor would all-gather any split of a sharded dim.
 3. `redistribute`: `DTensor.redistribute` with the backward the plan needs (gradient placements fixed at every
    module boundary, dp partial sums left to FSDP); see its docstring.
+4. `settle_masked_partial`: a vocabulary-parallel lookup's output (`_MaskPartial`) as plain partial sums, so
+   that it can be reduced more than once (by consumers that want different layouts).
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["register_dtensor_rules", "SPMDMode", "redistribute"]
+__all__ = ["register_dtensor_rules", "SPMDMode", "redistribute", "settle_masked_partial"]
 
 aten = torch.ops.aten
 _FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -225,3 +227,28 @@ def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
     """
     mesh_names = x.device_mesh.mesh_dim_names or ()
     return _Redistribute.apply(x, tuple(placements), tuple(n == "dp" for n in mesh_names))
+
+
+def settle_masked_partial(y):
+    """`y` with every `_MaskPartial` placement (a vocabulary-parallel embedding's output) turned into a plain
+    `Partial()` by zeroing, locally, the rows of tokens outside this rank's vocabulary slice; anything else as is.
+
+    DTensor applies that mask only when it reduces the tensor, and then releases it: a second reduction of the
+    same output (two consumers wanting different layouts) fails, and a reduce-scatter of it is not implemented.
+    Masking right away costs nothing and leaves ordinary partial sums. The gradient comes back replicated on
+    those axes (the lookup's backward reads the global token ids, not the mask).
+    """
+    if not isinstance(y, DTensor) or not any(isinstance(p, _MaskPartial) for p in y.placements):
+        return y
+    grad_placements = [Replicate() if isinstance(p, _MaskPartial) else p for p in y.placements]
+    local = y.to_local(grad_placements=grad_placements)
+    placements = []
+    for p in y.placements:
+        if isinstance(p, _MaskPartial):
+            mask = p.mask_buffer.data  # (local ids shape): True where the token lives on another rank
+            local = local.masked_fill(mask.reshape(*mask.shape, *([1] * (local.dim() - mask.dim()))), 0.0)
+            p.mask_buffer.release_mask()
+            placements.append(Partial(p.reduce_op))
+        else:
+            placements.append(p)
+    return DTensor.from_local(local, y.device_mesh, placements, run_check=False, shape=y.shape, stride=y.stride())

@@ -1,14 +1,15 @@
-"""`autoparallel`: the runtime half of the public entry point (autoshard/api.py re-exports it).
+"""`autoparallel`: the public entry point that parallelizes a model for this rank.
 
-It resolves the cluster, joins (or starts) the process group, checks that the job matches the plan, captures
-the model's graph (the plan names ops; the graph says which op feeds which), builds the mesh and applies the
-plan. Planning itself (`plan=None`) belongs to the planner and is hooked up there.
+It resolves the cluster, joins (or starts) the process group, gets a plan (made on rank 0 and broadcast when
+none is given, see rank0.py), checks that the job and the model match it, builds the mesh and applies the plan
+(apply.py; pipeline.py for plans with pipeline stages).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,8 @@ from autoshard.runtime.apply import apply_plan
 from autoshard.runtime.failure import align_group_timeouts, distributed_phase
 from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, build_device_mesh, init_distributed
 from autoshard.runtime.parallel_module import ParallelModule
+from autoshard.runtime.rank0 import check_plan_on_rank0, plan_on_rank0
+from autoshard.runtime.specs import check_fingerprint
 
 if TYPE_CHECKING:
     from autoshard.capture.ir import OpGraph
@@ -46,15 +49,13 @@ def resolve_cluster(cluster: ClusterSpec | str | int) -> tuple[int, str]:
     return cluster.num_gpus, "cpu" if cluster.gpu.name == "cpu" else "cuda"
 
 
-def _load_plan(plan: Plan | str | os.PathLike | None) -> Plan:
-    if plan is None:
-        raise ConfigurationError("planner not available yet: pass plan= a Plan or a plan file made with "
-                                 "`autoshard plan MODEL --cluster SPEC -o plan.json`")
+def _load_plan(plan: Plan | str | os.PathLike) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, (str, os.PathLike)):
         return Plan.load(plan)
-    raise ConfigurationError(f"plan must be a Plan or a path to a plan file, got {type(plan).__name__}")
+    raise ConfigurationError(f"plan must be None (plan now), a Plan or a path to a plan file, got "
+                             f"{type(plan).__name__}")
 
 
 def _check_job(plan: Plan, num_ranks: int, global_batch: int) -> None:
@@ -68,30 +69,66 @@ def _check_job(plan: Plan, num_ranks: int, global_batch: int) -> None:
                                  f"{plan.global_batch}; re-plan or pass global_batch={plan.global_batch}")
 
 
-def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_inputs: tuple, global_batch: int,
-                 plan: Plan | str | os.PathLike | None = None, space: tuple[str, ...] | None = None,
-                 memory_cap: float | None = None, graph: OpGraph | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelModule:
-    """Parallelize `model` for this rank of a `cluster` job as `plan` says; call on every rank.
+def _cluster_spec(cluster, num_ranks: int):
+    from autoshard.hardware_profiles.cluster import ClusterSpec
 
-    `example_inputs` are inputs of any batch size (token ids (B, S) for a language model); `graph` skips the
-    capture when the caller has the plan's `OpGraph` already. `space` and `memory_cap` steer the planner and are
-    ignored when a plan is given. The returned module is `model` itself (same parameter names) with `.plan`,
-    `.mesh` and `.shard_inputs(global_inputs)`; its outputs are this rank's batch slice as ordinary tensors.
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    return ClusterSpec.parse(f"1x{num_ranks}xcpu" if isinstance(cluster, int) else cluster)
+
+
+def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_inputs, global_batch: int,
+                 plan: Plan | str | os.PathLike | None = None, space: str | Iterable[str] | None = None,
+                 memory_cap: float | None = None, loss_fn: Callable | None = None, graph: OpGraph | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, time_limit_s: float = 20.0) -> ParallelModule:
+    """Parallelize `model` for this rank of a `cluster` job; call on every rank.
+
+    `plan=None` plans now: rank 0 captures `model` with `example_inputs` (inputs of any batch size, e.g. token
+    ids (B, S)), searches the plan for `global_batch` over `space` (families as in `autoshard plan --space`;
+    by default every family the runtime runs without pipeline stages) under `memory_cap` GiB per device,
+    logs it and broadcasts it. A given `Plan` or plan file is checked against the model (rank 0 captures it and
+    compares fingerprints; `graph`, the plan's `OpGraph`, skips that capture). The returned module is `model`
+    itself (same parameter names) with `.plan`, `.mesh` and `.shard_inputs(global_inputs)`; its outputs are
+    this rank's batch slice as ordinary tensors. `loss_fn(output, target)` is needed by pipelined plans
+    (space with pp), which train through `train_step`.
     """
-    plan = _load_plan(plan)
-    if space is not None or memory_cap is not None:
-        log.info("space / memory_cap steer the planner; ignored because a plan was given")
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     num_ranks, device_type = resolve_cluster(cluster)
     init_distributed(device_type=device_type, timeout_s=timeout_s)
     with distributed_phase("autoparallel"):  # a failure on one rank names it on every rank
+        if plan is None:
+            plan = plan_on_rank0(model, _cluster_spec(cluster, num_ranks), inputs, global_batch=global_batch,
+                                 space=space, memory_cap=memory_cap, graph=graph, time_limit_s=time_limit_s)
+        else:
+            plan = _load_plan(plan)
+            if space is not None or memory_cap is not None:
+                log.info("space / memory_cap steer the planner; ignored because a plan was given")
+            if graph is None:
+                check_plan_on_rank0(plan, model, inputs)
+            else:
+                check_fingerprint(plan, graph.fingerprint())
         _check_job(plan, num_ranks, global_batch)
-        if graph is None:
-            from autoshard.capture import capture
-
-            graph = capture(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
         if device_type == "cuda":
             model.to(torch.device("cuda", torch.cuda.current_device()))
+        if _pipelined(plan):
+            from autoshard.runtime.pipeline import apply_pipeline_plan
+
+            return apply_pipeline_plan(model, plan, graph=graph, example_inputs=inputs, loss_fn=loss_fn,
+                                       device_type=device_type)
         mesh = build_device_mesh(plan.mesh, device_type=device_type)
         align_group_timeouts()  # the mesh's sub-groups get the default group's timeout, not gloo's 30 minutes
-        return apply_plan(model, plan, graph=graph, mesh=mesh)
+        pmodel = apply_plan(model, plan, mesh=mesh)
+        if loss_fn is not None:
+            from autoshard.runtime.pipeline_train import attach_loss_fn
+
+            attach_loss_fn(pmodel, loss_fn)
+        return pmodel
+
+
+def _pipelined(plan: Plan) -> bool:
+    """The plan needs pipeline stages (pp axis, several chunks or layered accumulation)."""
+    try:
+        from autoshard.runtime.pipeline import uses_pipeline
+    except ImportError:  # no pipeline runtime: build_device_mesh rejects a pp axis with a clear error
+        return False
+    return uses_pipeline(plan)

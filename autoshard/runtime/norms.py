@@ -78,12 +78,28 @@ def _norm_fn(module: nn.Module):
     return None
 
 
+def _hidden_sharded(module: nn.Module, x) -> bool:
+    """Is `x` sharded on a dim `module` normalizes over?"""
+    if not isinstance(x, DTensor):
+        return False
+    count = len(module.normalized_shape) if isinstance(module, nn.LayerNorm) else 1
+    return any(p.is_shard() and p.dim >= x.ndim - count for p in x.placements)
+
+
+def _dispatch(module: nn.Module, fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if _hidden_sharded(module, x) and not args and not kwargs:
+        return fn(module, x)
+    return type(module).forward(module, x, *args, **kwargs)
+
+
 def statistics_parallel_forward(module: nn.Module):
-    """The statistics-parallel forward of norm `module` (a callable of its input), None if its class is
-    unknown, in which case it keeps its own forward (DTensor may then gather the hidden dim)."""
+    """The forward of norm `module` (a callable of its input) that reduces statistics when the input arrives
+    sharded on the normalized dim and runs the module's own forward otherwise; None if its class is unknown,
+    in which case it keeps its own forward (DTensor may then gather the hidden dim). The choice is made per
+    call, on the layout the input really has (a plan may leave a layout to DTensor's propagation)."""
     fn = _norm_fn(module)
     if fn is None:
         log.info("%s is not a known norm class: keeping its forward (DTensor may gather the hidden dim)",
                  type(module).__name__)
         return None
-    return functools.partial(fn, module)
+    return functools.partial(_dispatch, module, fn)

@@ -80,6 +80,15 @@ class ParallelModule:
 
         return tuple(pytree.tree_map(cut, x) for x in inputs)
 
+    def train_step(self, inputs, target: torch.Tensor) -> torch.Tensor:
+        """Forward, loss and backward of this rank's slice of one global batch (`shard_inputs` of it), in the
+        plan's micro-batches, with the `loss_fn(output, target)` given to `autoparallel`; returns the global
+        batch's mean loss on every rank. Pipelined plans train only this way; the optimizer step is the
+        caller's."""
+        from autoshard.runtime.pipeline_train import train_step
+
+        return train_step(self, inputs, target)
+
     def forward(self, *args, **kwargs):
         state = self._autoshard
         with SPMDMode():

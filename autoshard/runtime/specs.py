@@ -1,4 +1,4 @@
-"""What the runtime does around each module call, read off a plan and the graph it was made from.
+"""What the runtime does around each module call, read off a plan (which names each op's producers).
 
 The runtime acts at *leaf-module* granularity: an op whose whole computation is one call of a leaf module
 (Linear, Conv1D, Embedding, a norm, Dropout, an activation module) gets a `ModuleSpec`: the layouts its
@@ -23,7 +23,7 @@ from autoshard.errors import PlanFileError
 from autoshard.planner.layouts import FEAT, Layout
 from autoshard.planner.plan import OpPlan, ParamPlacement, Plan
 
-__all__ = ["ModuleSpec", "module_specs", "param_owners"]
+__all__ = ["ModuleSpec", "module_specs", "param_owners", "producers_of", "check_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +77,47 @@ def _local_params(model: nn.Module, module: nn.Module, op_plan: OpPlan) -> dict[
     return out
 
 
-def _consumer_layouts(graph: OpGraph, by_op: dict[str, OpPlan], consumers: list[str], producer: str):
+def producers_of(plan: Plan, graph: OpGraph | None = None) -> dict[str, tuple[str, ...]]:
+    """op -> its producer ops, in input order: from the plan (`OpPlan.inputs`), or from `graph` when given
+    (checked against the plan's fingerprint first)."""
+    if graph is not None:
+        check_fingerprint(plan, graph.fingerprint())
+        return {op.name: op.inputs for op in graph.ops}
+    if plan.ops and not any(p.inputs for p in plan.ops):
+        raise PlanFileError("the plan does not name the producers of its ops (it was made by an older autoshard); "
+                            "regenerate it with `autoshard plan ... -o plan.json`")
+    return {p.op: p.inputs for p in plan.ops}
+
+
+def check_fingerprint(plan: Plan, fingerprint: str) -> None:
+    """A plan applies only to the model it was made for (same ops, shapes, parameters and edges)."""
+    if plan.fingerprint and plan.fingerprint != fingerprint:
+        raise PlanFileError(f"the plan was made for a model with fingerprint {plan.fingerprint}, this model's "
+                            f"graph has {fingerprint}; re-plan for this model")
+
+
+def _consumers(producers: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name, srcs in producers.items():
+        for src in srcs:
+            out.setdefault(src, []).append(name)
+    return out
+
+
+def _consumer_layouts(producers, by_op: dict[str, OpPlan], consumers: list[str], producer: str):
     wanted: list[tuple[str, Layout]] = []
     for name in consumers:
         plan = by_op.get(name)
         if plan is None:
             continue  # index ops (masks, positions) are not planned
-        for i, src in enumerate(graph.op(name).inputs):
+        for i, src in enumerate(producers[name]):
             if src == producer and i < len(plan.strategy.inputs):
                 wanted.append((name, plan.strategy.inputs[i]))
     return wanted
 
 
-def _output_layout(graph, by_op, consumers, producer, module_ops: dict[str, OpPlan]) -> Layout | None:
-    wanted = _consumer_layouts(graph, by_op, consumers, producer)
+def _output_layout(producers, by_op, consumers, producer, module_ops: dict[str, OpPlan]) -> Layout | None:
+    wanted = _consumer_layouts(producers, by_op, consumers, producer)
     if not wanted:
         return None
     if any(module_ops.get(c) is not None and module_ops[c].strategy.save_sharded_input for c, _ in wanted):
@@ -103,26 +130,26 @@ def _output_layout(graph, by_op, consumers, producer, module_ops: dict[str, OpPl
     return None
 
 
-def _fused_parts(graph: OpGraph, op_plan: OpPlan, consumers: list[str]) -> int:
+def _fused_parts(producers, by_op: dict[str, OpPlan], op_plan: OpPlan, consumers: list[str]) -> int:
     """How many parts an attention op takes from this Linear's output (3 for GPT-2's c_attn: q, k, v), when
-    the output is feature-sharded on a tensor-parallel axis and its weights are used where they are stored."""
+    the output is feature-sharded on a tensor-parallel axis: the weight's output dim is then sharded part by
+    part, where it is stored and where it is used (2D / 3D), so the split is local."""
     st = op_plan.strategy
     if op_plan.kind != "linear" or not any(p == FEAT and a != "dp" for a, p in st.output.items):
         return 1
-    if any(pp.compute != pp.storage for pp in st.params):
-        return 1  # 2D / 3D weights: DTensor splits the gathered output itself
     for name in consumers:
-        consumer = graph.op(name)
-        if consumer.kind is OpKind.ATTENTION and consumer.inputs.count(op_plan.op) > 1:
-            return consumer.inputs.count(op_plan.op)
+        consumer = by_op.get(name)
+        if consumer is not None and consumer.kind == OpKind.ATTENTION.value and producers[name].count(op_plan.op) > 1:
+            return producers[name].count(op_plan.op)
     return 1
 
 
-def module_specs(plan: Plan, graph: OpGraph, model: nn.Module) -> dict[str, ModuleSpec]:
-    """module path -> ModuleSpec for every planned leaf-module op of `model` (the first call of a module)."""
-    if plan.fingerprint and plan.fingerprint != graph.fingerprint():
-        raise PlanFileError(f"the plan was made for a model with fingerprint {plan.fingerprint}, this model's "
-                            f"graph has {graph.fingerprint()}; re-plan for this model")
+def module_specs(plan: Plan, graph: OpGraph | None, model: nn.Module) -> dict[str, ModuleSpec]:
+    """module path -> ModuleSpec for every planned leaf-module op of `model` (the first call of a module).
+
+    `graph` (optional) is the graph the plan was made from: its fingerprint is checked and its edges used;
+    without it the plan's own record of each op's producers is used."""
+    producers = producers_of(plan, graph)
     modules = dict(model.named_modules())
     missing = sorted({p.module for p in plan.ops if p.module not in modules})
     if missing:
@@ -131,7 +158,7 @@ def module_specs(plan: Plan, graph: OpGraph, model: nn.Module) -> dict[str, Modu
     leaves = {n for n, m in modules.items() if n and next(m.children(), None) is None}
     by_op = {p.op: p for p in plan.ops}
     module_ops = {p.op: p for p in plan.ops if _is_module_call(p, leaves)}
-    consumers = graph.consumers()
+    consumers = _consumers(producers)
     specs: dict[str, ModuleSpec] = {}
     for name, op_plan in module_ops.items():
         if op_plan.module in specs:
@@ -141,11 +168,12 @@ def module_specs(plan: Plan, graph: OpGraph, model: nn.Module) -> dict[str, Modu
             continue
         module = model.get_submodule(op_plan.module)
         st = op_plan.strategy
+        users = consumers.get(name, [])
         specs[op_plan.module] = ModuleSpec(
             path=op_plan.module, op=name, kind=op_plan.kind, inputs=st.inputs,
-            output=_output_layout(graph, by_op, consumers.get(name, []), name, module_ops),
+            output=_output_layout(producers, by_op, users, name, module_ops),
             params=_local_params(model, module, op_plan), zero=st.zero, split=st.split,
-            regather=st.save_sharded_input, fused=_fused_parts(graph, op_plan, consumers.get(name, [])))
+            regather=st.save_sharded_input, fused=_fused_parts(producers, by_op, op_plan, users))
     _warn_unhooked(plan, module_ops)
     return specs
 

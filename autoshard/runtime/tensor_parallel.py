@@ -23,13 +23,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import PlanFileError
 from autoshard.planner.layouts import Layout
-from autoshard.runtime.dtensor_ext import SPMDMode, redistribute
+from autoshard.runtime.dtensor_ext import SPMDMode, redistribute, settle_masked_partial
+from autoshard.runtime.embedding import vocab_parallel_lookup
 from autoshard.runtime.placements import activation_placements, param_placements
 from autoshard.runtime.specs import ModuleSpec, param_owners
 
@@ -48,6 +49,9 @@ def redistribute_activation(x, layout: Layout | None, mesh_names, *, output: boo
     if not isinstance(x, DTensor):
         return x
     target = tuple(x.placements) if layout is None else activation_placements(layout, mesh_names, x, fused=fused)
+    # a planned partial sum is only ever left as produced: DTensor cannot make one, and a nonlinear op handed
+    # a layout with P (a norm) is given the values it needs by DTensor's own rules
+    target = tuple(cur if isinstance(t, Partial) else t for t, cur in zip(target, x.placements, strict=True))
     if not output and target == tuple(x.placements):
         return x
     return redistribute(x, target)
@@ -118,6 +122,8 @@ class ModuleRuntime:
         self.module, self.spec, self.mesh = module, spec, mesh
         self.names = mesh.mesh_dim_names
         self.compute: Callable = functools.partial(type(module).forward, module)  # norms/splits replace it
+        if isinstance(module, nn.Embedding):
+            self.compute = functools.partial(vocab_parallel_lookup, module)
         self.compute_placements: dict[str, tuple[Placement, ...]] = {}
         for local in spec.params:
             storage, compute = param_layouts(spec, module, local, mesh)
@@ -148,8 +154,8 @@ class ModuleRuntime:
                     return self.compute(*a, **kw)
 
         out = checkpoint(run, *tensors, use_reentrant=False) if self.spec.regather else run(*tensors)
-        return pytree.tree_map(lambda y: redistribute_activation(y, self.spec.output, self.names, output=True,
-                                                                 fused=self.spec.fused), out)
+        return pytree.tree_map(lambda y: redistribute_activation(settle_masked_partial(y), self.spec.output,
+                                                                 self.names, output=True, fused=self.spec.fused), out)
 
 
 def install_module_runtimes(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> dict[str, ModuleRuntime]:

@@ -84,13 +84,17 @@ def _dp_mean(x: torch.Tensor, mesh) -> float:
 
 
 def _parallelize(model: nn.Module, case: dict, x: torch.Tensor) -> nn.Module:
-    """Through `apply_plan` with the parent's graph, or (case["plan_file"]) through the public entry point,
-    which loads the plan file and captures the graph itself."""
+    """Through `apply_plan` with the parent's plan, or through the public entry point: with a plan file
+    (case["plan_file"]: rank 0 checks the model's fingerprint) or planning on rank 0 (case["autoplan"]: the
+    planner's arguments, e.g. space and memory_cap)."""
+    world = dist.get_world_size()
     if "plan_file" in case:
-        world = dist.get_world_size()
-        return autoparallel(model, f"1x{world}xcpu", example_inputs=(x[:1],), global_batch=case["batch"],
+        return autoparallel(model, f"1x{world}xcpu", example_inputs=(x[:2],), global_batch=case["batch"],
                             plan=case["plan_file"])
-    return apply_plan(model, case["plan"], graph=case["graph"], mesh=build_device_mesh(case["plan"].mesh))
+    if "autoplan" in case:
+        return autoparallel(model, f"1x{world}xcpu", example_inputs=(x[:2],), global_batch=case["batch"],
+                            **case["autoplan"])
+    return apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh))
 
 
 def _one_case(case: dict) -> dict:
@@ -103,9 +107,9 @@ def _one_case(case: dict) -> dict:
     mesh = pmodel.mesh
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
-    result: dict = {"case": case["id"], "param_bytes": local_param_bytes(pmodel),
-                    "expected_param_bytes": case["expected_param_bytes"]}
-    for step in range(STEPS):
+    result: dict = {"case": case["id"], "param_bytes": local_param_bytes(pmodel), "plan": pmodel.plan.to_json(),
+                    "expected_param_bytes": case.get("expected_param_bytes")}
+    for step in range(case.get("steps", STEPS)):
         ref_loss = loss_of(name, ref(x), y)
         ref_loss.backward()
         lx, ly = pmodel.shard_inputs((x, y))
@@ -121,12 +125,12 @@ def _one_case(case: dict) -> dict:
         opt.zero_grad()
     ref_params = dict(ref.named_parameters())
     result["param_diff"], result["param_worst"] = _max_diff(full_named(pmodel, names, grads=False), ref_params)
-    if case.get("measure_comm"):
-        lx, ly = pmodel.shard_inputs((x, y))
-        result["comm"] = measure_step_comm(lambda: loss_of(name, pmodel(lx), ly).backward())
+    lx, ly = pmodel.shard_inputs((x, y))
+    result["comm"] = measure_step_comm(lambda: loss_of(name, pmodel(lx), ly).backward())
     return result
 
 
 def compare_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Run every case on this rank (all ranks run the same cases in the same order)."""
     return [_one_case(c) for c in cases]
+

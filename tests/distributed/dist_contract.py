@@ -13,12 +13,12 @@ from autoshard.errors import RuntimeSetupError
 from autoshard.runtime import apply_plan, build_device_mesh, measure_step_comm
 from autoshard.runtime.mesh import tensor_parallel_mesh
 
-__all__ = ["contract_checks"]
+__all__ = ["contract_checks", "CONTRACT_CHECKS"]
 
 
 def _apply(case: dict):
     model = build(case["model"])
-    return model, apply_plan(model, case["plan"], graph=case["graph"], mesh=build_device_mesh(case["plan"].mesh))
+    return model, apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh))
 
 
 def _step(pmodel, name: str, batch: int):
@@ -61,7 +61,7 @@ def _padded(case: dict) -> float:
     attention's batch / heads."""
     model = build(case["model"])
     ref = copy.deepcopy(model)
-    pmodel = apply_plan(model, case["plan"], graph=case["graph"], mesh=build_device_mesh(case["plan"].mesh))
+    pmodel = apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh))
     ids, _ = example_batch(case["model"], case["batch"])
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding
@@ -87,10 +87,10 @@ def _wrong_world(case: dict) -> str:
     return "no error"
 
 
-_CHECKS = {"outputs": _outputs_and_names, "comm": _comm, "wrong_world": _wrong_world, "padded": _padded,
+CONTRACT_CHECKS = {"outputs": _outputs_and_names, "comm": _comm, "wrong_world": _wrong_world, "padded": _padded,
            "sub_meshes": _sub_meshes}
 
 
 def contract_checks(rank: int, world: int, cases: list[dict]) -> list[dict]:
     torch.manual_seed(0)
-    return [{"id": c["id"], "result": _CHECKS[c["check"]](c)} for c in cases]
+    return [{"id": c["id"], "result": CONTRACT_CHECKS[c["check"]](c)} for c in cases]

@@ -21,8 +21,12 @@ from pathlib import Path
 __all__ = ["run_world", "COLLECTIVE_TIMEOUT_S"]
 
 COLLECTIVE_TIMEOUT_S = 90  # a collective reached by only some ranks fails after this instead of hanging
+# transformers imports model classes lazily: without them here every rank imports its model's module itself
+# (seconds each, times the number of ranks sharing 2 cores)
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "transformers",
-            "autoshard.runtime", "autoshard.capture"]
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+            "transformers.models.qwen2.modeling_qwen2", "transformers.models.gpt_neox.modeling_gpt_neox",
+            "autoshard.runtime", "autoshard.capture", "autoshard.planner.search", "autoshard.api"]
 _ctx = None
 
 

@@ -126,7 +126,8 @@ def make_plan(graph: OpGraph, mesh: MeshSpec, family: str, *, global_batch: int,
             st = OpStrategy(name=st.name, inputs=st.inputs, output=st.output, params=st.params,
                             zero=zero_per_op.get(op.name, zero), split=split.get(op.name, 1),
                             save_sharded_input=st.save_sharded_input)
-        ops.append(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer, strategy=st))
+        ops.append(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer, strategy=st,
+                          inputs=op.inputs))
     dp = mesh.degree("dp")
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=f"1x{mesh.size}xcpu", mesh=mesh,
                 global_batch=global_batch, micro_batch=max(1, global_batch // dp), seq=graph.seq_len,

@@ -17,7 +17,9 @@ from dist_harness import run_world
 from dist_models import build, example_batch
 from dist_plans import expected_param_bytes, make_plan
 
+from autoshard.hardware_profiles.cluster import ClusterSpec
 from autoshard.planner.layouts import MeshSpec
+from autoshard.planner.prediction import predicted_param_bytes, predicted_step_comm
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -67,8 +69,11 @@ def _world_results(world: int, tmp_dir: str) -> dict[str, dict]:
         if w != world:
             continue
         plan = make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options)
-        case = {"id": case_id, "model": model, "batch": BATCH, "measure_comm": case_id in COMM_CASES,
-                "expected_param_bytes": expected_param_bytes(plan, _graph(model))}
+        cluster = ClusterSpec.parse(f"1x{world}xcpu")
+        case = {"id": case_id, "model": model, "batch": BATCH,
+                "expected_param_bytes": expected_param_bytes(plan, _graph(model)),
+                "predicted_param_bytes": predicted_param_bytes(plan, _graph(model), cluster),
+                "predicted_comm": predicted_step_comm(plan, _graph(model), cluster)}
         if case_id.endswith("public-api"):
             case["plan_file"] = str(Path(tmp_dir, f"{case_id}.json"))
             plan.save(case["plan_file"])
@@ -76,6 +81,9 @@ def _world_results(world: int, tmp_dir: str) -> dict[str, dict]:
             case |= {"plan": plan, "graph": _graph(model)}
         cases.append(case)
     per_rank = run_world(compare_cases, world, cases, timeout_s=480)
+    for i, case in enumerate(cases):  # what the parent predicted, beside what every rank measured
+        for rank in per_rank:
+            rank[i] |= {k: case[k] for k in ("predicted_param_bytes", "predicted_comm")}
     return {r["case"]: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
 
 
@@ -93,6 +101,38 @@ def test_loss_gradients_and_adamw_steps_match_single_process(case_id, record_pro
     assert worst["loss_diff"] <= ATOL
     assert worst["grad_diff"] <= ATOL, results[0]["grad_worst"]
     assert worst["param_diff"] <= ATOL, results[0]["param_worst"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_parameter_bytes_per_rank_equal_the_planners_prediction(case_id, tmp_path_factory):
+    results = _world_results(CASES[case_id][0], str(tmp_path_factory.getbasetemp()))[case_id]
+    assert [r["param_bytes"] for r in results] == [results[0]["predicted_param_bytes"]] * len(results)
+
+
+COMM_TOLERANCE = 0.05
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_bytes_issued_per_step_are_within_5_percent_of_the_cost_model(case_id, tmp_path_factory):
+    """Every collective kind the cost model prices, on every rank: measured bytes of one forward + backward
+    within 5% of `predicted_step_comm` (the whole step's bytes too). gloo has no all-to-all: DTensor falls back
+    to an all-gather there, so the two kinds are compared together."""
+    results = _world_results(CASES[case_id][0], str(tmp_path_factory.getbasetemp()))[case_id]
+
+    def merged(comm: dict) -> dict:
+        out = dict(comm)
+        if "all_to_all" in out:
+            out["all_gather"] = out.get("all_gather", 0) + out.pop("all_to_all")
+        return {k: v for k, v in out.items() if v}
+
+    for rank, r in enumerate(results):
+        measured, predicted = merged(r["comm"]), merged(r["predicted_comm"])
+        print(f"{case_id} rank {rank}: measured {measured} predicted {predicted}")
+        assert set(measured) == set(predicted), (measured, predicted)
+        for kind, want in predicted.items():
+            assert abs(measured[kind] - want) <= COMM_TOLERANCE * want, (kind, measured, predicted)
 
 
 # -- what 2D and 3D send: exactly the schemes the cost model prices --------------------------------------------

@@ -11,8 +11,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard.errors import ConfigurationError, PlanFileError
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, SEQ, MeshSpec, layout
-from autoshard.runtime import autoparallel
 from autoshard.runtime.placements import activation_placements, param_placements
+from autoshard.runtime.rank0 import RUNTIME_SPACE, runtime_space
 from autoshard.runtime.specs import module_specs
 from autoshard.runtime.split import SplitLinear
 
@@ -48,9 +48,27 @@ def test_parameter_layouts_follow_each_module_types_weight_convention():
         param_placements(layout(tp=IN), NAMES, linear, "bias", 1)
 
 
-def test_autoparallel_without_a_plan_says_the_planner_is_not_available_yet():
-    with pytest.raises(ConfigurationError, match="planner not available yet"):
-        autoparallel(nn.Linear(2, 2), "1x1xcpu", example_inputs=(torch.zeros(1, 2),), global_batch=1)
+def test_planning_space_defaults_to_what_runs_without_pipeline_stages():
+    families, schedules = runtime_space(None)
+    assert families == frozenset(RUNTIME_SPACE) and "pp" not in families
+    assert "looped-bfs" not in schedules  # layered accumulation runs through pipeline schedules only
+    assert runtime_space("dp,zero")[0] == frozenset({"dp", "zero"})
+    with pytest.raises(ConfigurationError, match="unknown families"):
+        runtime_space("dp,tp4d")
+
+
+def test_a_plan_without_producer_names_needs_its_graph():
+    from dataclasses import replace
+
+    from autoshard.capture import capture
+
+    x, _ = example_batch("mlp", 2)
+    graph = capture(build("mlp"), (x,))
+    plan = make_plan(graph, MeshSpec.of(dp=2), "replicate", global_batch=4)
+    old = replace(plan, ops=tuple(replace(p, inputs=()) for p in plan.ops))  # as older plan files are
+    with pytest.raises(PlanFileError, match="producers"):
+        module_specs(old, None, build("mlp"))
+    assert module_specs(old, graph, build("mlp")) == module_specs(plan, None, build("mlp"))
 
 
 def test_a_plan_made_for_another_model_is_rejected():
