@@ -205,13 +205,13 @@ NOTES = {
     "optimus_2d_vs_1d": "1D all-reduces activations over all 64 GPUs, i.e. across 16 nodes on one HDR100 port "
                         "each; 2D's traffic falls as 1/sqrt(p). The ratio depends on how network-bound 1D is.",
     "3d_vs_1d": "Same mechanism: 3D's traffic per GPU falls as p^(-2/3).",
-    "3d_vs_2d": "Reversed, and why: per layer 3D moves 24% fewer bytes per GPU than 2D (2.0 vs 2.6 x N*h "
-                "elements, REFERENCES.md §5) but where they go decides. With ranks laid out row-major (tensor axes "
-                "innermost), 2D's activation gathers run on tp_c (8 GPUs: 2 nodes of 4, or one node of 8) and only "
-                "its small weight gathers cross nodes on tp_r; 3D's activation collectives on tp_y have one or two "
-                "GPUs per node, so at this batch (262k tokens per micro-batch) they cross InfiniBand (per block: 3D "
-                "edges ~133 ms vs 2D ~96 ms, while 3D's weight traffic is ~3x smaller). The claim needs both 3D "
-                "activation axes inside a node, i.e. nodes of 16+ GPUs at q=4, or a network close to NVLink.",
+    "3d_vs_2d": "Not reproduced (parity, not 1.57x), and why: per layer 3D moves 24% fewer bytes per GPU than 2D "
+                "(2.0 vs 2.6 x N*h elements, REFERENCES.md §5) but where they go decides. With ranks laid out "
+                "row-major (tensor axes innermost), 2D's activation gathers run on tp_c (8 GPUs: 2 nodes of 4, or "
+                "one node of 8) and only its small weight gathers cross nodes on tp_r; 3D's activation collectives "
+                "on tp_y have one or two GPUs per node, so at this batch (262k tokens per micro-batch) they cross "
+                "InfiniBand, which eats the byte saving (3D's weight traffic is ~3x smaller). The claim needs both "
+                "3D activation axes inside a node, i.e. nodes of 16+ GPUs at q=4, or a network close to NVLink.",
     "osdp_vs_fsdp_gpt2": "OSDP's gain is FSDP's exposed gathers: it grows when compute per micro-batch is small "
                          "(small global batch) and vanishes when prefetch hides them (large batch).",
     "osdp_vs_fsdp_opt30b": "Same mechanism with 8 wide layers; replicating some operators within 16 GB removes "
