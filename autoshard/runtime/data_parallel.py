@@ -1,4 +1,4 @@
-"""Sharded data parallelism per op: FSDP2 `fully_shard` in SPMD mode over the `dp` mesh dim, and splitting.
+"""Sharded data parallelism per block and op: FSDP2 `fully_shard` in SPMD mode over the `dp` mesh dim, and splitting.
 
 Parameters are already DTensors on the full mesh (replicated on dp), so every op's module gets
 `fully_shard(module, mesh=<full mesh>, dp_mesh_dims=...)` (torch >= 2.11's SPMD mode), with
@@ -9,9 +9,23 @@ Parameters are already DTensors on the full mesh (replicated on dp), so every op
     zero 3     DataParallelMeshDims(shard="dp"), reshard_after_forward=True    FULL_SHARD
 
 all in one FSDP state context, so the levels mix freely per op. FSDP keeps gradients `Partial` on dp until its
-own reduction and redistributes the tensor-parallel dims to the parameter's placement. Modules that share a
-parameter (a tied embedding and LM head) form one group (`fully_shard([a, b])`). The root gets the remaining
-parameters, replicated.
+own reduction and redistributes the tensor-parallel dims to the parameter's placement.
+
+Groups (one `fully_shard` call each, so one all-gather / reduce-scatter per group and step, not per op):
+
+    block ops     the modules of one repeated block (`transformer.h.3.*`, the plan's `OpPlan.layer`) planned
+                  with the same zero level: `fully_shard([ln_1, c_attn, ...])`, as torchtitan shards one
+                  TransformerBlock at a time. On a 4-layer Llama under ZeRO-3 that is 14 all-gathers and 7
+                  reduce-scatters per step instead of per-op units' 78 and 39, for the same bytes
+                  (benchmarks/runtime_overhead.md; by hand, with the outside ops in the root: 9 and 5).
+    split ops     each slice of an operator-split Linear (split > 1) is its own unit: gathering one slice at a
+                  time is what bounds the gathered weight to 1/S (OSDP)
+    other ops     ops outside blocks (embeddings, the final norm, the LM head): one unit per module
+    shared        modules that share a parameter (a tied embedding and LM head) are merged into one group,
+                  whatever the above says, at the highest zero level of their ops
+
+Merging changes the number of collectives, not their bytes (each parameter is padded and sharded on its own).
+The root gets the remaining parameters, replicated.
 
 Without a dp axis there is no FSDP; gradients of parameters used on sharded activations (a replicated norm
 weight under sequence parallelism) come out `Partial` and are reduced to the parameter's placement by a hook.
@@ -21,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -70,31 +85,52 @@ def _input_dim_sharded(module: nn.Module, spec: ModuleSpec) -> bool:
     return weight is not None and any(p == IN for lay in (weight.storage, weight.compute) for _, p in lay.items)
 
 
+# a module in repeated block i of a ModuleList: the outermost indexed path component, as capture/blocks.py
+# finds blocks (where the plan's `OpPlan.layer` comes from; a ModuleSpec carries the path, not the layer)
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def _unit_key(path: str, spec: ModuleSpec, slice_index: int | None) -> tuple:
+    """Units with equal keys form one FSDP group: per (block, zero level), as torchtitan shards one
+    TransformerBlock at a time; an op outside a block and each slice of a split op stay on their own."""
+    block = _BLOCK.match(path)
+    if block is None or spec.split > 1:
+        return ("op", path, slice_index)
+    return ("block", block.group(1), spec.zero)
+
+
 def _groups(model: nn.Module, specs: dict[str, ModuleSpec]) -> list[tuple[list[nn.Module], int]]:
-    """FSDP groups: one per planned module (one per slice of a split Linear), merged where they share a
-    parameter; each with its op's zero level."""
-    units: list[tuple[nn.Module, int, str]] = []
+    """FSDP groups: one per (block, zero level), one per planned module outside blocks, one per slice of a
+    split Linear; merged where they share a parameter; each with its ops' zero level."""
+    units: list[tuple[nn.Module, int, str, tuple]] = []
     for path, spec in specs.items():
         module = model.get_submodule(path)
         if isinstance(module, SplitLinear):
-            units += [(s, spec.zero, spec.op) for s in module.slices]
+            units += [(s, spec.zero, spec.op, _unit_key(path, spec, i)) for i, s in enumerate(module.slices)]
         if any(True for _ in module.parameters(recurse=False)):
-            units.append((module, spec.zero, spec.op))
+            units.append((module, spec.zero, spec.op, _unit_key(path, spec, None)))
+    parent = list(range(len(units)))  # union-find over units: same key, or a shared parameter
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[object, int] = {}  # key or id(param) -> first unit holding it
+    for i, (module, _, _, key) in enumerate(units):
+        for k in [key, *(id(p) for p in module.parameters(recurse=False))]:
+            parent[root(i)] = root(first.setdefault(k, i))
+    members: dict[int, list[int]] = {}
+    for i in range(len(units)):
+        members.setdefault(root(i), []).append(i)
     groups: list[tuple[list[nn.Module], int]] = []
-    seen: dict[int, int] = {}  # id(param) -> group index
-    for module, zero, op in units:
-        pids = [id(p) for p in module.parameters(recurse=False)]
-        hit = next((seen[p] for p in pids if p in seen), None)
-        if hit is None:
-            groups.append(([module], zero))
-            hit = len(groups) - 1
-        else:
-            mods, z = groups[hit]
-            if z != zero:
-                log.warning("op %s shares a parameter with an op planned with zero=%d; using zero=%d for both",
-                            op, z, max(z, zero))
-            groups[hit] = ([*mods, module], max(z, zero))
-        seen.update({p: hit for p in pids})
+    for idx in members.values():
+        zeros = {units[i][1] for i in idx}
+        if len(zeros) > 1:
+            log.warning("ops %s share a parameter but are planned with zero levels %s; using zero=%d for all",
+                        ", ".join(units[i][2] for i in idx), sorted(zeros), max(zeros))
+        groups.append(([units[i][0] for i in idx], max(zeros)))
     return groups
 
 
