@@ -9,6 +9,7 @@ mode allows, on the first pipeline stage (which holds the most micro-batches in 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
@@ -18,7 +19,8 @@ from autoshard.planner.cache import graph_cache
 from autoshard.planner.opcost import score_shaped
 from autoshard.planner.strategies import PLANNED_KINDS
 
-__all__ = ["GraphTotals", "graph_totals", "time_lower_bound_s", "memory_lower_bound_bytes", "block_costs"]
+__all__ = ["GraphTotals", "graph_totals", "time_lower_bound_s", "memory_lower_bound_bytes", "block_costs",
+           "knapsack_lp_min"]
 
 _GEMM = (OpKind.LINEAR, OpKind.CONV, OpKind.MATMUL)
 
@@ -117,6 +119,47 @@ def memory_lower_bound_bytes(graph: OpGraph, precision: Precision, *, tp_degree:
         acts = t.saved_elems
     acts *= precision.act_bytes * micro_batch / (tp_degree * pp) * inflight
     return states + acts
+
+
+def knapsack_lp_min(items: list[list[tuple[float, float]]], capacity: float) -> float:
+    """LP relaxation of a multiple-choice knapsack: pick one (cost, weight) option per item, fractions allowed,
+    total weight <= capacity, minimum total cost; +inf when even the lightest options do not fit.
+
+    Dantzig's greedy is exact for the relaxation: start every item at its cheapest option and walk each item's
+    lower convex hull towards lighter options, cheapest cost per unit of weight saved first, until the weight
+    fits (the last step fractionally). A lower bound on the integer problem."""
+    cost = weight = lightest = 0.0
+    moves: list[tuple[float, float]] = []  # (cost per unit weight saved, weight saved)
+    for options in items:
+        hull = _lower_hull(options)  # lightest first, cost falling
+        lightest += hull[0][1]
+        cost, weight = cost + hull[-1][0], weight + hull[-1][1]
+        for (c_light, w_light), (c_heavy, w_heavy) in zip(hull, hull[1:], strict=False):
+            moves.append(((c_light - c_heavy) / (w_heavy - w_light), w_heavy - w_light))
+    if lightest > capacity * (1 + 1e-9):
+        return math.inf
+    for slope, saved in sorted(moves):
+        if weight <= capacity:
+            break
+        step = min(saved, weight - capacity)
+        cost, weight = cost + slope * step, weight - step
+    return cost
+
+
+def _lower_hull(options: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(cost, weight) options on the lower-left convex hull, lightest first, each cheaper than the last."""
+    frontier: list[tuple[float, float]] = []
+    for c, w in sorted(options, key=lambda cw: (cw[1], cw[0])):
+        if frontier and c >= frontier[-1][0]:
+            continue  # heavier and no cheaper: never worth it
+        while len(frontier) >= 2:  # drop the middle point when it lies on or above the chord
+            (c1, w1), (c2, w2) = frontier[-2], frontier[-1]
+            if (c2 - c1) * (w - w1) >= (c - c1) * (w2 - w1):
+                frontier.pop()
+            else:
+                break
+        frontier.append((c, w))
+    return frontier
 
 
 def block_costs(graph: OpGraph) -> tuple[float, float, float]:

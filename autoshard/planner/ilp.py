@@ -55,6 +55,7 @@ from autoshard.planner.evaluate import (
     sink_layout,
     stage_units,
 )
+from autoshard.planner.layouts import Layout
 from autoshard.planner.opcost import OpCost, edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.physical import physical_key
 from autoshard.planner.plan import OpStrategy, PipelineSpec
@@ -62,8 +63,7 @@ from autoshard.planner.strategies import rebind
 from autoshard.planner.template import TemplateGraph, template_for
 
 __all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "relaxation_bound",
-           "extract_assignment",
-           "expand_assignment"]
+           "extract_assignment", "expand_assignment", "edge_time_s"]
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,14 @@ def _groups(items: list, key) -> tuple[list, list[int]]:
     return list(index), of
 
 
-def _edge_vars(lp, tg, strategies, x, ctx, recompute_full: bool):
+def edge_time_s(e, src: Layout, key: tuple, ctx: PlanContext) -> float:
+    """Seconds to bring template edge `e` from producer layout `src` to consumer key `key` (and its gradient
+    back); under full recompute an edge inside a block is redistributed again in the recomputed forward."""
+    c = edge_cost(e.meta, src, key[0], key[1], ctx, regather=key[2], share=1 / e.fanout)
+    return c.time_s + (c.fwd_s if ctx.recompute == "full" and e.in_block else 0.0)
+
+
+def _edge_vars(lp, tg, strategies, x, ctx, edge_time):
     """Edge variables; returns per-stage lists of (variable, seconds) terms."""
     num_stages = len(next(iter(tg.per_stage.values())))
     stage_terms: list[list] = [[] for _ in range(num_stages)]
@@ -164,8 +171,7 @@ def _edge_vars(lp, tg, strategies, x, ctx, recompute_full: bool):
             _eq(lp, [(y[a, b], 1.0) for a in range(len(outs))],
                 [(x[StratVar(e.dst, i)], 1.0) for i, g in enumerate(key_of) if g == b])
         for (a, b), var in y.items():
-            c = edge_cost(e.meta, outs[a], keys[b][0], keys[b][1], ctx, regather=keys[b][2], share=1 / e.fanout)
-            t = c.time_s + (c.fwd_s if recompute_full and e.in_block else 0.0)
+            t = edge_time(e, outs[a], keys[b])
             if t == float("inf"):
                 var.upBound = 0
                 continue
@@ -278,9 +284,10 @@ def _tied_params(lp, graph: OpGraph, tg, strategies, x) -> None:
 
 def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategies: dict[str, list[OpStrategy]],
                   *, cap_bytes: float, minimize_memory: bool = False, p2p_bytes: float = 0.0,
-                  costs: dict[str, list[OpCost]] | None = None) -> Problem:
+                  costs: dict[str, list[OpCost]] | None = None, edge_time=None) -> Problem:
     """Write the ILP for `graph` on `ctx` with candidate `strategies` per op (template ops only needed).
-    `costs`: precomputed `op_cost` of each candidate (they do not depend on the pipeline layout)."""
+    `costs`: precomputed `op_cost` of each candidate (they do not depend on the pipeline layout);
+    `edge_time(edge, src_layout, consumer_key)`: a memoized `edge_time_s` shared across candidates."""
     tg, stage = template_for(graph, pipe)
     lp = pulp.LpProblem("autoshard", pulp.LpMinimize)
     if costs is None:
@@ -288,7 +295,10 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
         costs = {op.name: [op_cost(op, s, ctx, block_input=firsts.get(op.name)) for s in strategies[op.name]]
                  for op in tg.ops}
     x = _strategy_vars(lp, tg, strategies)
-    edge_terms = _edge_vars(lp, tg, strategies, x, ctx, ctx.recompute == "full")
+    if edge_time is None:
+        def edge_time(e, src, key):
+            return edge_time_s(e, src, key, ctx)
+    edge_terms = _edge_vars(lp, tg, strategies, x, ctx, edge_time)
     out_terms = _output_costs(tg, strategies, x, ctx, {n: stage[n] for n in tg.outputs})
     units = stage_units(graph, pipe, stage)
     p2p = [2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0] * pipe.degree

@@ -16,8 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autoshard.capture.ir import OpGraph
+from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
 from autoshard.errors import InfeasiblePlanError
-from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
+from autoshard.planner.bounds import (
+    block_costs,
+    knapsack_lp_min,
+    memory_lower_bound_bytes,
+    time_lower_bound_s,
+)
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.evaluate import (
     Evaluation,
@@ -25,10 +31,18 @@ from autoshard.planner.evaluate import (
     evaluate,
     inflight_microbatches,
     pipeline_fill,
+    stage_units,
 )
-from autoshard.planner.ilp import build_problem, consumer_key, expand_assignment, relaxation_bound, solve
+from autoshard.planner.ilp import (
+    build_problem,
+    consumer_key,
+    edge_time_s,
+    expand_assignment,
+    relaxation_bound,
+    solve,
+)
 from autoshard.planner.layouts import MeshSpec
-from autoshard.planner.opcost import edge_cost, op_cost
+from autoshard.planner.opcost import op_cost
 from autoshard.planner.plan import SCHEDULES, OpStrategy, PipelineSpec
 from autoshard.planner.stages import balanced_stage_layers
 from autoshard.planner.strategies import strategies_for
@@ -229,7 +243,7 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
         prepared = _prepare(graph, cluster, cand, space, cache)
         if prepared is None or not _may_beat(graph, cand, prepared, cap, bound, cache):
             continue
-        result = _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prepared, bound)
+        result = _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prepared, bound, cache)
         solved += result is not None
         if progress and solved % 10 == 0:
             progress(f"searched {solved} configurations ({i + 1}/{len(cands)} by bound)")
@@ -275,55 +289,101 @@ def _prepare(graph, cluster, cand: Candidate, space, cache) -> _Prepared | None:
 
 
 def _may_beat(graph, cand: Candidate, prep: _Prepared, cap: float, bound: float, cache: dict) -> bool:
-    """Second bound, per pipeline stage: every op at its cheapest strategy counting its own compute and
-    tensor-parallel traffic plus the cheapest way to receive each input (an edge is charged to its consumer
-    only, so no cost is counted twice); every op at its smallest memory."""
-    tg, _ = template_for(graph, cand.pipe)
-    inflight = [inflight_microbatches(k, cand.pipe, cand.num_microbatches) for k in range(cand.pipe.degree)]
-    into = _edge_minima(tg, cand, prep, cache)
-    worst_t, worst_m = 0.0, 0.0
-    for k in range(cand.pipe.degree):
-        t = mem = 0.0
-        for op in tg.ops:
-            n = tg.per_stage[op.name][k]
-            if n:
-                costs = prep.costs[op.name]
-                t += min(n * c.time_s + sum(m * e[i] for m, e in into[op.name][k]) for i, c in enumerate(costs))
-                mem += min(n * (c.state_bytes + inflight[k] * c.saved_bytes) for c in costs)
-        worst_t, worst_m = max(worst_t, t), max(worst_m, mem)
-    return (cand.num_microbatches + pipeline_fill(cand.pipe)) * worst_t < bound and worst_m <= cap
+    return knapsack_bound_s(graph, cand, prep, cap, cache, stop_at=bound) < bound
 
 
-def _edge_minima(tg, cand: Candidate, prep: _Prepared, cache: dict) -> dict:
-    """op -> per stage: [(edges into it in that stage, [cheapest receive time for each of its strategies])]."""
-    full = cand.recompute == "full"
-    out: dict = {op.name: [[] for _ in range(cand.pipe.degree)] for op in tg.ops}
+def knapsack_bound_s(graph, cand: Candidate, prep: _Prepared, cap: float, cache: dict,
+                     stop_at: float = math.inf) -> float:
+    """A lower bound on the ILP objective of `cand`, per pipeline stage k, without writing the ILP
+    (returns as soon as it reaches `stop_at`). Its constraints give
+        T >= C_k + P_k + D_k/units_k  and  T >= P_k + D_k          (E_k >= D_k/units_k, E_k >= D_k - C_k)
+        S >= G_k/units_k              and  S >= G_k - B_k          (gradient sync outside backward)
+        O >= opt_k,
+    so for each of the four pairings the objective (m + fill)·T + S + O is at least a sum over ops of a cost
+    per chosen strategy. An edge u -> v costs at least the cheapest way for v's strategy to receive it, and at
+    least half that plus half the cheapest way for u's strategy to send it (both ways are tried). The stage's
+    memory row caps the sum of the ops' bytes. Picking one strategy per op under that cap is a multiple-choice
+    knapsack whose LP relaxation (`knapsack_lp_min`) bounds every plan of the candidate from below."""
+    tg, stage = template_for(graph, cand.pipe)
+    m, pipe, ctx = cand.num_microbatches, cand.pipe, prep.ctx
+    weight = m + pipeline_fill(pipe)
+    units = stage_units(graph, pipe, stage)
+    minima = _edge_minima(tg, cand, prep, cache)
+    groups = sum(1 for a in cand.mesh.names if cand.mesh.degree(a) > 1)
+    capacity = cap - framework_overhead_bytes(groups)
+    best = 0.0
+    per_state_byte = optimizer_step_bytes(1.0, ctx.precision) / (
+        ctx.precision.master_bytes + ctx.precision.optim_bytes) / (ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)
+    for k in range(pipe.degree):
+        inflight, u = inflight_microbatches(k, pipe, m), units[k]
+        ops = [op for op in tg.ops if tg.per_stage[op.name][k]]
+        for split in (False, True):
+            edge_s = {op.name: [0.0] * len(prep.costs[op.name]) for op in ops}
+            for e, receive, send in minima:
+                ne = e.per_stage[k]
+                if not ne:
+                    continue
+                half = split and e.src in edge_s
+                for i, t in enumerate(receive):
+                    edge_s[e.dst][i] += ne * t * (0.5 if half else 1.0)
+                if half:
+                    for j, t in enumerate(send):
+                        edge_s[e.src][j] += ne * t * 0.5
+            parts = []  # per op, per strategy: (C, P, D, G, B, opt, bytes)
+            for op in ops:
+                n = tg.per_stage[op.name][k]
+                parts.append([(n * (c.fwd_s + c.bwd_s + c.recompute_s), n * (c.tp_fwd_s + c.tp_bwd_s) + edge_s[op.name][i],
+                               n * (c.dp_fwd_s + c.dp_bwd_s) / (m if pipe.layered else 1), n * c.dp_iter_s,
+                               n * (c.bwd_s + c.recompute_s), n * c.optim_bytes * per_state_byte,
+                               n * (c.state_bytes + inflight * c.saved_bytes) + c.recompute_peak_bytes)
+                              for i, c in enumerate(prep.costs[op.name])])
+            for t_form, s_form in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                items = [[(weight * (C + P + D / u if t_form == 0 else P + D) + (G / u if s_form == 0 else G - B)
+                           + opt, nbytes) for C, P, D, G, B, opt, nbytes in op_parts] for op_parts in parts]
+                best = max(best, knapsack_lp_min(items, capacity))
+                if best >= stop_at:
+                    return best
+    return best
+
+
+def _edge_times(ctx: PlanContext, cache: dict):
+    """`edge_time_s` memoized across candidates: an edge's cost depends on the mesh, the micro-batch and
+    whether full recompute replays it, not on the pipeline layout or the number of micro-batches."""
+    full = ctx.recompute == "full"
+
+    def edge_time(e, src, key) -> float:
+        memo = (key, e.meta, e.in_block and full, ctx.mesh, ctx.micro_batch, e.fanout, src)
+        hit = cache.get(memo)
+        if hit is None:
+            hit = cache[memo] = edge_time_s(e, src, key, ctx)
+        return hit
+
+    return edge_time
+
+
+def _edge_minima(tg, cand: Candidate, prep: _Prepared, cache: dict) -> list[tuple]:
+    """Per template edge: (edge, [cheapest receive time for each consumer strategy], [cheapest send time for
+    each producer strategy]); the same for every pipeline layout of this mesh, micro-batch and recompute."""
+    edge_time = _edge_times(prep.ctx, cache)
+    out = []
     for e in tg.edges:
-        src_outs = {s.output for s in prep.strategies[e.src]}
-        per_strategy = []
-        for st in prep.strategies[e.dst]:
-            key = (consumer_key(st, e.index), e.meta, e.in_block and full, cand.mesh, cand.micro_batch, e.fanout)
-            if key not in cache:
-                cache[key] = {}
-            table = cache[key]
-            best = math.inf
-            for lay in src_outs:
-                if lay not in table:
-                    c = edge_cost(e.meta, lay, key[0][0], key[0][1], prep.ctx, regather=key[0][2],
-                                  share=1 / e.fanout)
-                    table[lay] = c.time_s + (c.fwd_s if key[2] else 0.0)
-                best = min(best, table[lay])
-            per_strategy.append(best)
-        for k, n in enumerate(e.per_stage):
-            if n:
-                out[e.dst][k].append((n, per_strategy))
+        memo = ("minima", e.src, e.dst, e.index, cand.mesh, cand.micro_batch, cand.recompute == "full")
+        if memo not in cache:
+            src_outs = [s.output for s in prep.strategies[e.src]]
+            keys = [consumer_key(st, e.index) for st in prep.strategies[e.dst]]
+            table = {(lay, k): edge_time(e, lay, k) for lay in dict.fromkeys(src_outs) for k in dict.fromkeys(keys)}
+            receive = {k: min(table[lay, k] for lay in src_outs) for k in keys}
+            send = {lay: min(table[lay, k] for k in keys) for lay in src_outs}
+            cache[memo] = ([receive[k] for k in keys], [send[lay] for lay in src_outs])
+        out.append((e, *cache[memo]))
     return out
 
 
 def _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prep: _Prepared,
-                     bound: float = math.inf) -> SearchResult | None:
+                     bound: float = math.inf, cache: dict | None = None) -> SearchResult | None:
     ctx, strategies = prep.ctx, prep.strategies
-    problem = build_problem(graph, ctx, cand.pipe, strategies, cap_bytes=cap, costs=prep.costs)
+    problem = build_problem(graph, ctx, cand.pipe, strategies, cap_bytes=cap, costs=prep.costs,
+                            edge_time=_edge_times(ctx, cache if cache is not None else {}))
     if relaxation_bound(problem) >= bound:
         return None
     sol = solve(problem, time_limit_s=time_limit_s)

@@ -1,0 +1,68 @@
+"""The search's pruning bounds are lower bounds: they never cut a candidate that could win."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from autoshard.capture import capture_model
+from autoshard.hardware_profiles import ClusterSpec
+from autoshard.models import load_model
+from autoshard.planner.bounds import knapsack_lp_min
+from autoshard.planner.ilp import build_problem, solve
+from autoshard.planner.search import SPACE, _prepare, enumerate_candidates, knapsack_bound_s
+
+
+def _best_integer_choice(items, capacity):
+    best = math.inf
+    for pick in itertools.product(*items):
+        if sum(w for _, w in pick) <= capacity:
+            best = min(best, sum(c for c, _ in pick))
+    return best
+
+
+def test_knapsack_relaxation_is_exact_on_a_hand_example():
+    # start at cost 3 / weight 15; the cheapest saving is item 0's (2 per 8 bytes): 4 bytes of it cost 1
+    items = [[(1.0, 10.0), (3.0, 2.0)], [(2.0, 5.0), (4.0, 1.0)]]
+    assert knapsack_lp_min(items, 100.0) == pytest.approx(3.0)
+    assert knapsack_lp_min(items, 11.0) == pytest.approx(4.0)
+    assert knapsack_lp_min(items, 2.0) == math.inf  # the lightest options weigh 3
+
+
+def test_knapsack_relaxation_never_exceeds_the_best_integer_choice():
+    rng = random.Random(0)
+    for _ in range(300):
+        items = [[(rng.uniform(0, 10), rng.uniform(0, 10)) for _ in range(rng.randint(1, 4))]
+                 for _ in range(rng.randint(1, 4))]
+        capacity = rng.uniform(0, 25)
+        exact = _best_integer_choice(items, capacity)
+        relaxed = knapsack_lp_min(items, capacity)
+        assert relaxed <= exact + 1e-9  # (both +inf when even the lightest options do not fit)
+
+
+@pytest.mark.parametrize("model, cluster, batch, cap_gib", [
+    ("gpt2-medium", "2x8xA100-80GB", 64, 80),
+    ("gpt2-medium", "1x8xA100-40GB", 16, 6),  # tight: the memory row binds
+])
+def test_candidate_bound_never_exceeds_the_ilp_optimum(model, cluster, batch, cap_gib):
+    graph = capture_model(load_model(model))
+    spec = ClusterSpec.parse(cluster)
+    cap = cap_gib * 2**30
+    space = frozenset(SPACE)
+    cands, _ = enumerate_candidates(graph, spec, global_batch=batch, space=space, cap_bytes=cap)
+    cache: dict = {}
+    checked = 0
+    for cand in cands[:: max(1, len(cands) // 12)]:
+        prep = _prepare(graph, spec, cand, space, cache)
+        if prep is None:
+            continue
+        problem = build_problem(graph, prep.ctx, cand.pipe, prep.strategies, cap_bytes=cap, costs=prep.costs)
+        sol = solve(problem, time_limit_s=20.0)
+        bound = knapsack_bound_s(graph, cand, prep, cap, cache)
+        if sol.status == "infeasible":
+            continue
+        assert sol.status == "optimal"
+        assert bound <= sol.objective * (1 + 1e-6), (str(cand.mesh), cand.micro_batch, cand.pipe)
+        checked += 1
+    assert checked >= 5
