@@ -105,12 +105,17 @@ def _cmd_estimate(args) -> int:
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
             "pipeline": {"degree": plan.pipeline.degree, "schedule": plan.pipeline.schedule,
-                         "virtual_stages": plan.pipeline.virtual_stages},
+                         "virtual_stages": plan.pipeline.virtual_stages,
+                         "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             **prediction_json(pred)}
     head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch {plan.micro_batch} x "
             f"{plan.num_microbatches}, recompute {plan.recompute}, attention {data['attention']}"
             + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")]
+    per_chunk = data["pipeline"]["layers_per_chunk"]
+    if len(set(per_chunk)) > 1:
+        head.append(f"layers per chunk {','.join(map(str, per_chunk))} (the layers do not divide evenly: "
+                    "balanced by cost, embeddings and head included)")
     _emit(args, data, "\n".join(head + _prediction_text(pred, cluster)))
     return 0
 
@@ -170,7 +175,8 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
              f"{'plan':14s}{pred.tokens_per_s:14,.0f}{pred.mfu * 100:7.1f}%{pred.memory.total_bytes / 2**30:9.1f}"]
     for name, b in baselines.items():
         if b.prediction is None:
-            lines.append(f"{name:14s}{'does not fit':>14s}{'':17s}  {b.note}")
+            status = "does not fit" if b.note.startswith("does not fit") else "n/a"
+            lines.append(f"{name:14s}{status:>14s}{'':17s}  {b.note.removeprefix('does not fit: ')}")
         else:
             p = b.prediction
             lines.append(f"{name:14s}{p.tokens_per_s:14,.0f}{p.mfu * 100:7.1f}%{p.memory.total_bytes / 2**30:9.1f}"

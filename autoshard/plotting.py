@@ -231,9 +231,10 @@ def _draw_throughput(ax, rows: list[tuple[str, Prediction | None, str]]) -> None
     best = max(fitting, default=1.0)
     ys = list(range(len(rows)))[::-1]
     for y, (name, pred, config) in zip(ys, rows, strict=True):
-        wrapped = textwrap.fill(config, 52, max_lines=2, placeholder=" …")
+        wrapped = textwrap.fill(config.removeprefix("does not fit: "), 52, max_lines=2, placeholder=" …")
         if pred is None:
-            why = "does not fit" if name != "plan" else "no prediction in the plan"
+            why = ("no prediction in the plan" if name == "plan" else
+                   "does not fit" if config.startswith("does not fit") else "n/a")
             ax.text(0.01 * best, y, f"{why}\n{wrapped}", va="center", fontsize=6.5, color="crimson")
             continue
         ax.barh(y, pred.tokens_per_s, color="#4c72b0" if name == "plan" else "#a6bddb", height=0.8)

@@ -65,3 +65,23 @@ def test_attention_auto_uses_materialized_scores_when_they_fit_and_flash_otherwi
     big, _ = estimate_config("gpt:layers=4,hidden=4096,heads=32,seq=8192,vocab=1024", "1x8xA100-80GB", dp=8,
                              micro_batch=4, global_batch=32)
     assert any(p.kind == "attention" for p in big.ops) and not any(p.kind == "softmax" for p in big.ops)
+
+
+def test_layers_that_do_not_divide_into_the_stages_are_balanced_by_cost():
+    """BLOOM-176B ran 70 layers on 12 pipeline stages; Megatron's even split cannot, a balanced one can."""
+    out = run("estimate", "gpt:layers=14,hidden=256,heads=8,seq=512,vocab=32768", "--cluster", "1x8xA100-80GB",
+              "--pp", "4", "--dp", "2", "--global-batch", "16", "--json")
+    assert out.returncode == 0, out.stderr
+    per_chunk = json.loads(out.stdout)["pipeline"]["layers_per_chunk"]
+    assert sum(per_chunk) == 14 and len(per_chunk) == 4 and max(per_chunk) - min(per_chunk) <= 2
+    assert per_chunk[-1] < max(per_chunk)  # the stage with the 32k-vocabulary head gets fewer layers
+    even, _ = estimate_config("gpt:layers=16,hidden=256,heads=8,seq=512,vocab=32768", "1x8xA100-80GB", pp=4,
+                              dp=2, global_batch=16)
+    assert [b - a for a, b in even.pipeline.stage_layers] == [4, 4, 4, 4]  # Megatron's split when it divides
+
+
+def test_more_pipeline_chunks_than_layers_is_a_one_line_error():
+    out = run("estimate", "gpt:layers=4,hidden=256,heads=8,seq=512,vocab=1024", "--cluster", "1x8xA100-80GB",
+              "--pp", "8", "--global-batch", "8")
+    assert out.returncode == 2 and "4 layers cannot fill 8 pipeline chunks" in out.stderr
+    assert out.stderr.count("\n") == 1

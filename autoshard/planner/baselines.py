@@ -53,8 +53,8 @@ class _Best:
     def __init__(self) -> None:
         self.pred: Prediction | None = None
         self.config = ""
-        self.tried = 0  # configurations priced (0: none divides the batch / GPUs)
-        self.smallest = float("inf")  # least memory any of them needed
+        self.tried = 0  # configurations priced or pruned (0: none divides the batch / GPUs)
+        self.smallest = float("inf")  # least memory any of them needed (a lower bound for pruned ones)
 
     def offer(self, pred: Prediction, config: str, cap: float) -> None:
         self.tried += 1
@@ -62,12 +62,17 @@ class _Best:
         if pred.memory.total_bytes <= cap and (self.pred is None or pred.iteration_time_s < self.pred.iteration_time_s):
             self.pred, self.config = pred, config
 
+    def pruned(self, memory_lower_bound_bytes: float) -> None:
+        """A configuration whose memory lower bound is already over the cap."""
+        self.tried += 1
+        self.smallest = min(self.smallest, memory_lower_bound_bytes)
+
     def note(self, cap: float) -> str:
         if self.pred is not None:
             return ""
         if self.tried == 0:
             return "no configuration of this family divides the GPUs and the global batch"
-        return f"does not fit: needs {self.smallest / 2**30:.1f} GiB per GPU, cap {cap / 2**30:.1f} GiB"
+        return f"does not fit: needs at least {self.smallest / 2**30:.1f} GiB per GPU, cap {cap / 2**30:.1f} GiB"
 
     def bound(self) -> float:
         return self.pred.iteration_time_s if self.pred else math.inf
@@ -136,6 +141,8 @@ def _megatron(graph, cluster, global_batch, cap, *, pipelines: bool) -> _Best:
                                        inflight=inflight_microbatches(0, pipe0, m), recompute=rc)
         if mem <= cap:
             scored.append((lb, tp, pp, dp, b, m, v, rc))
+        else:
+            best.pruned(mem)
     for lb, tp, pp, dp, b, m, v, rc in sorted(scored):
         if lb >= best.bound():
             break

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph
 from autoshard.errors import ConfigurationError
+from autoshard.planner.bounds import block_costs
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.evaluate import Evaluation, evaluate
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.manual import even_stage_layers, megatron_assignment
 from autoshard.planner.plan import SCHEDULES, OpPlan, PipelineSpec, Plan
+from autoshard.planner.stages import balanced_stage_layers
 
 __all__ = ["HandConfig", "estimate", "check_batch"]
 
@@ -77,6 +79,21 @@ def _heads(graph: OpGraph) -> int:
     return 0
 
 
+def _stage_layers(graph: OpGraph, pp: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:
+    """Megatron's even split when the layers divide into the chunks; otherwise the cost-balanced split the
+    planner uses (embeddings and head counted), as DeepSpeed's partitioner or Megatron's
+    --decoder-first/last-pipeline-num-layers do for e.g. BLOOM's 70 layers on 12 stages."""
+    chunks = pp * virtual_stages
+    if chunks == 1:
+        return ()
+    if graph.num_layers < chunks:
+        raise ConfigurationError(f"{graph.num_layers} layers cannot fill {chunks} pipeline chunks (pipeline degree "
+                                 "x virtual stages); lower --pp or --virtual-stages")
+    if graph.num_layers % chunks == 0:
+        return even_stage_layers(graph.num_layers, chunks)
+    return balanced_stage_layers(graph.num_layers, pp, virtual_stages, *block_costs(graph))
+
+
 def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation]:
     """Price `cfg` on `cluster`; raises ConfigurationError when it cannot run (incl. not fitting memory)."""
     _validate(graph, cluster, cfg)
@@ -86,8 +103,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
                       precision=default_precision(cluster), recompute=cfg.recompute, seq=graph.seq_len)
     assign = megatron_assignment(graph, mesh, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
                                  zero=cfg.zero)
-    chunks = cfg.pp * cfg.virtual_stages
-    stage_layers = even_stage_layers(graph.num_layers, chunks) if chunks > 1 else ()
+    stage_layers = _stage_layers(graph, cfg.pp, cfg.virtual_stages)
     pipe = PipelineSpec(degree=cfg.pp, schedule=cfg.resolved_schedule, virtual_stages=cfg.virtual_stages,
                         stage_layers=stage_layers, layered=cfg.resolved_schedule == "looped-bfs")
     ev = evaluate(graph, assign, ctx, pipe, global_batch=cfg.global_batch)
