@@ -300,50 +300,66 @@ def knapsack_bound_s(graph, cand: Candidate, prep: _Prepared, cap: float, cache:
         S >= G_k/units_k              and  S >= G_k - B_k          (gradient sync outside backward)
         O >= opt_k,
     so for each of the four pairings the objective (m + fill)·T + S + O is at least a sum over ops of a cost
-    per chosen strategy. An edge u -> v costs at least the cheapest way for v's strategy to receive it, and at
-    least half that plus half the cheapest way for u's strategy to send it (both ways are tried). The stage's
-    memory row caps the sum of the ops' bytes. Picking one strategy per op under that cap is a multiple-choice
-    knapsack whose LP relaxation (`knapsack_lp_min`) bounds every plan of the candidate from below."""
+    per chosen strategy. An edge u -> v costs at least nothing, at least the cheapest way for v's strategy to
+    receive it, and at least half that plus half the cheapest way for u's strategy to send it (all three are
+    tried, the cheap one first). The stage's memory row caps the sum of the ops' bytes. Picking one strategy
+    per op under that cap is a multiple-choice knapsack whose LP relaxation (`knapsack_lp_min`) bounds every
+    plan of the candidate from below."""
     tg, stage = template_for(graph, cand.pipe)
-    m, pipe, ctx = cand.num_microbatches, cand.pipe, prep.ctx
+    m, pipe = cand.num_microbatches, cand.pipe
     weight = m + pipeline_fill(pipe)
     units = stage_units(graph, pipe, stage)
-    minima = _edge_minima(tg, cand, prep, cache)
     groups = sum(1 for a in cand.mesh.names if cand.mesh.degree(a) > 1)
     capacity = cap - framework_overhead_bytes(groups)
-    best = 0.0
-    per_state_byte = optimizer_step_bytes(1.0, ctx.precision) / (
-        ctx.precision.master_bytes + ctx.precision.optim_bytes) / (ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)
-    for k in range(pipe.degree):
-        inflight, u = inflight_microbatches(k, pipe, m), units[k]
-        ops = [op for op in tg.ops if tg.per_stage[op.name][k]]
-        for split in (False, True):
-            edge_s = {op.name: [0.0] * len(prep.costs[op.name]) for op in ops}
-            for e, receive, send in minima:
-                ne = e.per_stage[k]
-                if not ne:
-                    continue
-                half = split and e.src in edge_s
-                for i, t in enumerate(receive):
-                    edge_s[e.dst][i] += ne * t * (0.5 if half else 1.0)
-                if half:
-                    for j, t in enumerate(send):
-                        edge_s[e.src][j] += ne * t * 0.5
-            parts = []  # per op, per strategy: (C, P, D, G, B, opt, bytes)
-            for op in ops:
-                n = tg.per_stage[op.name][k]
-                parts.append([(n * (c.fwd_s + c.bwd_s + c.recompute_s), n * (c.tp_fwd_s + c.tp_bwd_s) + edge_s[op.name][i],
-                               n * (c.dp_fwd_s + c.dp_bwd_s) / (m if pipe.layered else 1), n * c.dp_iter_s,
-                               n * (c.bwd_s + c.recompute_s), n * c.optim_bytes * per_state_byte,
-                               n * (c.state_bytes + inflight * c.saved_bytes) + c.recompute_peak_bytes)
-                              for i, c in enumerate(prep.costs[op.name])])
+    best, minima = 0.0, None
+    for edges in ("none", "receive", "split"):
+        if edges != "none" and minima is None:
+            minima = _edge_minima(tg, cand, prep, cache)
+        for k in range(pipe.degree):
+            parts = _stage_parts(tg, k, cand, prep, units[k], _edge_charges(tg, k, prep, minima, edges))
             for t_form, s_form in ((0, 0), (0, 1), (1, 0), (1, 1)):
-                items = [[(weight * (C + P + D / u if t_form == 0 else P + D) + (G / u if s_form == 0 else G - B)
-                           + opt, nbytes) for C, P, D, G, B, opt, nbytes in op_parts] for op_parts in parts]
+                items = [[(weight * (P + D if t_form else C + P + D / units[k])
+                           + (G - B if s_form else G / units[k]) + opt, nbytes)
+                          for C, P, D, G, B, opt, nbytes in op_parts] for op_parts in parts]
                 best = max(best, knapsack_lp_min(items, capacity))
                 if best >= stop_at:
                     return best
     return best
+
+
+def _edge_charges(tg, k: int, prep: _Prepared, minima, edges: str) -> dict[str, list[float]]:
+    """Seconds of edge traffic charged to each strategy of each op of stage k (see `knapsack_bound_s`)."""
+    charges = {op.name: [0.0] * len(prep.costs[op.name]) for op in tg.ops if tg.per_stage[op.name][k]}
+    for e, receive, send in (minima if edges != "none" else ()):
+        ne = e.per_stage[k]
+        if not ne:
+            continue
+        half = edges == "split" and e.src in charges
+        for i, t in enumerate(receive):
+            charges[e.dst][i] += ne * t * (0.5 if half else 1.0)
+        if half:
+            for j, t in enumerate(send):
+                charges[e.src][j] += ne * t * 0.5
+    return charges
+
+
+def _stage_parts(tg, k: int, cand: Candidate, prep: _Prepared, units: int, charges) -> list[list[tuple]]:
+    """Per op of stage k, per strategy: (C, P, D, G, B, opt seconds, bytes) of `knapsack_bound_s`. C is the
+    ILP's compute row and P its tensor-parallel row with the edge charges; D is divided by m under layered
+    accumulation (one gather per step)."""
+    ctx, m, pipe = prep.ctx, cand.num_microbatches, cand.pipe
+    inflight = inflight_microbatches(k, pipe, m)
+    per_state_byte = optimizer_step_bytes(1.0, ctx.precision) / (
+        ctx.precision.master_bytes + ctx.precision.optim_bytes) / (ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)
+    parts = []
+    for name, edge_s in charges.items():
+        n = tg.per_stage[name][k]
+        parts.append([(n * (c.fwd_s + c.bwd_s + c.recompute_s), n * (c.tp_fwd_s + c.tp_bwd_s) + edge_s[i],
+                       n * (c.dp_fwd_s + c.dp_bwd_s) / (m if pipe.layered else 1), n * c.dp_iter_s,
+                       n * (c.bwd_s + c.recompute_s), n * c.optim_bytes * per_state_byte,
+                       n * (c.state_bytes + inflight * c.saved_bytes) + c.recompute_peak_bytes)
+                      for i, c in enumerate(prep.costs[name])])
+    return parts
 
 
 def _edge_times(ctx: PlanContext, cache: dict):
