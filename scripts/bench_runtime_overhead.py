@@ -71,8 +71,12 @@ def make_plans() -> dict:
 
     ids, _ = global_batches()[0]
     graph = capture(build_model(), (ids[:2],))
+    # torchtitan's FSDP: decoder layers resharded after forward (ZeRO-3), the root's embedding, final norm and
+    # LM head kept whole from forward to backward (ZeRO-2)
+    outside = {op.name: 2 for op in graph.ops if op.layer is None and op.params}
     return {"1d": make_plan(graph, MeshSpec.of(tp=WORLD), "megatron", global_batch=GLOBAL_BATCH),
-            "fsdp": make_plan(graph, MeshSpec.of(dp=WORLD), "replicate", global_batch=GLOBAL_BATCH, zero=3)}
+            "fsdp": make_plan(graph, MeshSpec.of(dp=WORLD), "replicate", global_batch=GLOBAL_BATCH, zero=3,
+                              zero_per_op=outside)}
 
 
 # -- the two sides, on every rank ------------------------------------------------------------------------------
@@ -115,7 +119,7 @@ def hand_tp(model, mesh) -> None:
 def hand_fsdp(model, mesh, *, per_op: bool = False) -> None:
     """FSDP2 ZeRO-3, torchtitan style: one unit per decoder layer (resharded after forward), then the root.
     `per_op`: a diagnostic, not torchtitan: one unit per module holding parameters (each Linear, norm and
-    the embedding), the granularity autoshard's runtime uses (one unit per planned op)."""
+    the embedding), what the unit granularity alone costs."""
     from torch.distributed.fsdp import fully_shard
 
     if per_op:
@@ -340,15 +344,15 @@ hand version has DTensors only inside the parallelized Linears / embedding and p
 Norm weights are replicated DTensors in autoshard and plain tensors by hand. The collectives are the same
 (counted below).
 
-FSDP: autoshard's `replicate` plan with `zero=3` shards every op's parameters over dp=4. Its runtime calls
-`fully_shard` per planned op (one unit per Linear, norm and the embedding: 9 per decoder layer, 3 more outside,
-each resharded after forward) in FSDP2's SPMD mode (parameters are DTensors on the full mesh, activations
-DTensors `dp:S(batch)`); the root holds no parameters. By hand, torchtitan style: `fully_shard` on each decoder
+FSDP: autoshard's `replicate` plan shards the decoder layers' parameters over dp=4 with ZeRO-3 and the ops
+outside them (embedding, final norm, `lm_head`) with ZeRO-2, torchtitan's strategy. A plan without
+tensor-parallel axes runs on plain tensors (no DTensor activations, the model's own forward) with `fully_shard`
+per group: the ops of one decoder layer with the same zero level form one unit (resharded after forward); the
+ZeRO-2 ops outside the layers are left to the root. By hand, torchtitan style: `fully_shard` on each decoder
 layer (`reshard_after_forward=True`), then on the root (embedding, final norm, `lm_head`; FSDP2 keeps the root
-unsharded between forward and backward), plain tensors throughout. A third, diagnostic variant
-`hand-per-op` calls `fully_shard` on every module holding parameters (autoshard's units, plain tensors):
-it separates the cost of the unit granularity from the cost of running on DTensors. Gradients: autoshard sums
-over dp with the loss gradient scaled by 1/dp, FSDP2 by hand averages; the result is the same."""
+unsharded between forward and backward). A third, diagnostic variant `hand-per-op` calls `fully_shard` on
+every module holding parameters: what the unit granularity alone costs. Gradients are averaged over dp by
+FSDP2 on both sides."""
 
 
 def fmt_comm(d: dict) -> str:
@@ -410,13 +414,13 @@ def md_where(results: dict) -> list[str]:
         f"dispatch alone (profiled `PythonSubclass` self time, one step on rank 0) took "
         f"{one['autoshard']['profile_rank0']['dtensor_dispatch'][1]:.0f} ms against "
         f"{one['hand']['profile_rank0']['dtensor_dispatch'][1]:.0f} ms.",
-        f"- **FSDP**: the unit granularity alone (`hand-per-op` vs `hand`, plain tensors both) costs "
-        f"x{per_op['ratio_to_hand']:.2f}: {fmt_comm(per_op['collectives'])} against "
-        f"{fmt_comm(fsdp['hand']['collectives'])} per step; each gloo collective among 4 ranks on 2 cores costs "
-        f"context switches and a wait for the slowest rank. Running on DTensors in SPMD mode costs the rest: "
-        f"autoshard vs `hand-per-op` x{auto['median_step_s'] / per_op['median_step_s']:.2f} "
-        f"({auto['dtensor_ops']} ops per step through DTensor against {per_op['dtensor_ops']}; {calls(auto)} "
-        f"Python function calls per step against {calls(per_op)}, {calls(fsdp['hand'])} for `hand`).",
+        f"- **FSDP**: both sides run on plain tensors ({auto['dtensor_ops']} ops per step through DTensor "
+        f"against {fsdp['hand']['dtensor_ops']} by hand: FSDP2's own parameter handling); autoshard issues "
+        f"{fmt_comm(auto['collectives'])} per step against {fmt_comm(fsdp['hand']['collectives'])} by hand. "
+        f"The unit granularity matters on 4 gloo ranks sharing 2 cores, where each collective costs "
+        f"context switches and a wait for the slowest rank: one unit per module (`hand-per-op`, "
+        f"{fmt_comm(per_op['collectives'])}) costs x{per_op['ratio_to_hand']:.2f}. {calls(auto)} Python "
+        f"function calls per step against {calls(fsdp['hand'])} by hand.",
     ]
 
 

@@ -8,7 +8,9 @@
     4. operator splitting of the Linears planned with split > 1 (split.py);
     5. sharded data parallel per op: FSDP2 in SPMD mode on the dp mesh dim (data_parallel.py).
 
-Pipeline parallelism (pp > 1) is rejected by `build_device_mesh` until the pipeline runtime exists.
+A plan without tensor-parallel axes skips steps 2 and 3 and runs on plain tensors: its operator splitting
+(4) rewrites the Linears and FSDP2 (5) shards them on the dp mesh, no DTensor dispatch per op in between.
+Pipelined plans go through pipeline.py, which applies steps 2-5 per stage.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.plan import Plan
-from autoshard.runtime.data_parallel import apply_operator_splitting, apply_sharded_data_parallel
+from autoshard.runtime.data_parallel import (
+    apply_operator_splitting,
+    apply_plain_data_parallel,
+    apply_sharded_data_parallel,
+)
 from autoshard.runtime.dtensor_ext import register_dtensor_rules
 from autoshard.runtime.norms import statistics_parallel_forward
 from autoshard.runtime.parallel_module import ParallelModule, RuntimeState, make_parallel
@@ -40,6 +46,12 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     """
     register_dtensor_rules()
     specs = module_specs(plan, graph, model)
+    if not plan.mesh.tp_axes:  # data parallel and ZeRO only: plain tensors, as torchtitan runs FSDP2
+        model = make_parallel(model, RuntimeState(plan=plan, mesh=mesh, spmd=False))  # 1
+        apply_operator_splitting(model, specs, None, mesh)  # 4
+        apply_plain_data_parallel(model, specs, mesh)  # 5
+        log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
+        return model
     model = make_parallel(model, RuntimeState(plan=plan, mesh=mesh))  # 1
     distribute_parameters(model, specs, mesh)  # 2: storage placements ...
     runtimes = install_module_runtimes(model, specs, mesh)  # ... and redistribution around module calls

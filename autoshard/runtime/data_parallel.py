@@ -27,6 +27,8 @@ Groups (one `fully_shard` call each, so one all-gather / reduce-scatter per grou
 Merging changes the number of collectives, not their bytes (each parameter is padded and sharded on its own).
 The root gets the remaining parameters, replicated.
 
+Plans without tensor-parallel axes take `apply_plain_data_parallel` instead: the same groups on plain tensors.
+
 Without a dp axis there is no FSDP; gradients of parameters used on sharded activations (a replicated norm
 weight under sequence parallelism) come out `Partial` and are reduced to the parameter's placement by a hook.
 """
@@ -49,14 +51,16 @@ from autoshard.runtime.specs import ModuleSpec, param_owners
 from autoshard.runtime.split import SplitLinear, split_linear
 from autoshard.runtime.tensor_parallel import ModuleRuntime
 
-__all__ = ["apply_operator_splitting", "apply_sharded_data_parallel"]
+__all__ = ["apply_operator_splitting", "apply_sharded_data_parallel", "apply_plain_data_parallel"]
 
 log = logging.getLogger(__name__)
 
 
 def apply_operator_splitting(model: nn.Module, specs: dict[str, ModuleSpec],
-                             runtimes: dict[str, ModuleRuntime], mesh: DeviceMesh) -> None:
-    """Rewrite each Linear planned with split S > 1 into a `SplitLinear` (see split.py)."""
+                             runtimes: dict[str, ModuleRuntime] | None, mesh: DeviceMesh) -> None:
+    """Rewrite each Linear planned with split S > 1 into a `SplitLinear` (see split.py). `runtimes`: the
+    planned module calls' `ModuleRuntime`s in SPMD mode; None on plain tensors, where the split module's own
+    forward runs."""
     shared = {pid for pid, holders in param_owners(model).items() if len(holders) > 1}
     for path, spec in specs.items():
         if spec.split <= 1:
@@ -64,7 +68,7 @@ def apply_operator_splitting(model: nn.Module, specs: dict[str, ModuleSpec],
         if "dp" not in mesh.mesh_dim_names:
             log.info("op %s: split %d ignored without a dp axis (nothing is gathered)", spec.op, spec.split)
             continue
-        module, runtime = model.get_submodule(path), runtimes[path]
+        module = model.get_submodule(path)
         if spec.kind != "linear" or any(id(p) in shared for p in module.parameters(recurse=False)):
             raise ConfigurationError(f"op {spec.op}: operator splitting needs an untied Linear, got "
                                      f"{type(module).__name__}; plan it with split=1")
@@ -75,8 +79,10 @@ def apply_operator_splitting(model: nn.Module, specs: dict[str, ModuleSpec],
                         spec.op, spec.split)
             continue
         split = split_linear(model, path, spec.split)
-        runtime.module, runtime.compute = split, functools.partial(SplitLinear.forward, split)
-        split.forward = runtime
+        if runtimes is not None:
+            runtime = runtimes[path]
+            runtime.module, runtime.compute = split, functools.partial(SplitLinear.forward, split)
+            split.forward = runtime
 
 
 def _input_dim_sharded(module: nn.Module, spec: ModuleSpec) -> bool:
@@ -172,3 +178,29 @@ def _reduce_grads_to_param_placement(model: nn.Module) -> None:
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_to_param_placement)
+
+
+def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> None:
+    """Data parallelism on plain tensors, for plans without tensor-parallel axes (torchtitan's FSDP2 usage):
+    the same groups and zero levels as `apply_sharded_data_parallel`, each `fully_shard` on the 1-D dp mesh
+    (ZeRO 1-3) or on the dp ranks as HSDP with a one-rank shard dim (ZeRO 0: replicated, gradients
+    all-reduced), then the root. Activations stay ordinary tensors: no DTensor dispatch per op, which on the
+    4-rank benchmark cost x1.7 over FSDP2 by hand (benchmarks/runtime_overhead.md). FSDP2 averages gradients
+    over dp, the global batch's mean loss gradient.
+
+    Ops outside the repeated blocks planned with ZeRO-2 (embeddings, final norm, LM head) are left to the
+    root, as torchtitan leaves them: FSDP2 gathers the root's parameters once per step and keeps them until
+    backward, which is ZeRO-2's memory (parameters whole from forward to backward) in one collective instead
+    of one per op. Only when every parameter belongs to a planned op: otherwise the root holds replicated
+    leftovers (ZeRO-0) and those ops keep units of their own."""
+    from autoshard.runtime.mesh import replicate_mesh
+
+    planned = {id(p) for path in specs for p in model.get_submodule(path).parameters()}
+    leftovers = any(id(p) not in planned for p in model.parameters())
+    if not leftovers:
+        specs = {path: spec for path, spec in specs.items()
+                 if not (spec.zero == 2 and spec.split == 1 and _BLOCK.match(path) is None)}
+    for modules, zero in _groups(model, specs):
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=zero == 3,
+                    mesh=mesh if zero > 0 else replicate_mesh(mesh))
+    fully_shard(model, mesh=replicate_mesh(mesh) if leftovers else mesh, reshard_after_forward=False)

@@ -20,7 +20,7 @@ from autoshard.errors import RuntimeSetupError
 from autoshard.planner.layouts import MeshSpec
 
 __all__ = ["init_distributed", "build_device_mesh", "backend_for", "DEFAULT_TIMEOUT_S", "tp_mesh_names",
-           "tensor_parallel_mesh"]
+           "tensor_parallel_mesh", "replicate_mesh"]
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +104,17 @@ def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     if names == ("tp",):
         return mesh["tp"]
     return mesh[names]._flatten("tp")
+
+
+def replicate_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """`mesh`'s dp ranks as an HSDP mesh (dp replicated, a shard dim of one rank): what FSDP2 on plain tensors
+    needs for parameters kept whole on every dp rank (ZeRO-0), with their gradients all-reduced."""
+    if mesh.mesh_dim_names != ("dp",):
+        raise ValueError(f"replicate_mesh takes a mesh with the single dim 'dp', got {mesh.mesh_dim_names}")
+    key = (mesh.device_type, ("dp", "dp_shard"), (mesh.size(), 1))
+    cached = _MESHES.get(key)
+    if cached is not None and cached[1] is dist.group.WORLD:
+        return cached[0]
+    hsdp = init_device_mesh(mesh.device_type, (mesh.size(), 1), mesh_dim_names=("dp", "dp_shard"))
+    _MESHES[key] = (hsdp, dist.group.WORLD)
+    return hsdp

@@ -9,6 +9,9 @@ module keeps its identity, attributes and parameter FQNs. Its forward
   DTensors with global shapes: models that reshape with explicit head counts and with -1 both work;
 - returns ordinary tensors for this rank's batch slice with full feature dims (logits over the whole
   vocabulary), gathered from the tensor-parallel axes, so the loss is computed as usual.
+
+A plan without tensor-parallel axes (data parallel and ZeRO only) needs none of that: its forward is the
+model's own on ordinary tensors, with FSDP2 around its blocks as torchtitan applies it (`spmd=False`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = ["ParallelModule", "RuntimeState", "make_parallel"]
 class RuntimeState:
     plan: Plan
     mesh: DeviceMesh
+    spmd: bool = True  # False: a plan without tensor-parallel axes runs on plain tensors (apply.py)
 
     @property
     def dp_degree(self) -> int:
@@ -91,6 +95,8 @@ class ParallelModule:
 
     def forward(self, *args, **kwargs):
         state = self._autoshard
+        if not state.spmd:  # data parallel only: FSDP2 on ordinary tensors, inputs and outputs as they are
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
         with SPMDMode():
             args, kwargs = pytree.tree_map(lambda x: _to_dtensor(x, state), (args, kwargs))
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
