@@ -55,6 +55,29 @@ def _comm(case: dict) -> dict:
     return measure_step_comm(step)
 
 
+def _plain(case: dict) -> dict:
+    """Ops dispatched on DTensors and collectives issued (by count) in one forward+backward after warm-up."""
+    from autoshard.runtime import CollectiveRecorder
+
+    class Recorder(CollectiveRecorder):
+        dtensor_ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.dtensor_ops += any(issubclass(t, DTensor) for t in types)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    _, pmodel = _apply(case)
+    step = _step(pmodel, case["model"], case["batch"])
+    step()
+    pmodel.zero_grad()
+    with Recorder() as rec:
+        step()
+    counts: dict[str, int] = {}
+    for call in rec.calls:
+        counts[call.kind] = counts.get(call.kind, 0) + 1
+    return {"dtensor_ops": rec.dtensor_ops, "calls": counts}
+
+
 def _padded(case: dict) -> float:
     """Largest logit difference to the single-process model at the non-padded positions of a batch with
     left- and right-padded sequences: the model builds a (B, 1, S, S) mask, which must be sharded like the
@@ -88,7 +111,7 @@ def _wrong_world(case: dict) -> str:
 
 
 CONTRACT_CHECKS = {"outputs": _outputs_and_names, "comm": _comm, "wrong_world": _wrong_world, "padded": _padded,
-           "sub_meshes": _sub_meshes}
+                   "sub_meshes": _sub_meshes, "plain": _plain}
 
 
 def contract_checks(rank: int, world: int, cases: list[dict]) -> list[dict]:

@@ -24,6 +24,8 @@ LOGIT_BYTES = BATCH * 16 * 128 * 4
 MLP_PARAM_BYTES = 4 * (2 * (16 * 32 + 32 + 32 * 16 + 16) + 16 * 16 + 16)  # MLP(layers=2, hidden=16, ffn=32)
 
 _SPLIT = {"zero": 3, "split": {"transformer.h.0.mlp.c_fc": 2, "transformer.h.1.attn.c_proj": 4}}
+# torchtitan's FSDP: decoder layers ZeRO-3, the ops outside them ZeRO-2
+_TORCHTITAN = {"zero": 3, "zero_per_op": {"model.embed_tokens": 2, "model.norm": 2, "lm_head": 2}}
 # id: (check, model, family, mesh degrees, plan options)
 CHECKS = {
     "outputs-1d": ("outputs", "gpt2", "megatron", {"tp": 2}, {}),
@@ -37,6 +39,7 @@ CHECKS = {
     "sub-meshes": ("sub_meshes", "mlp", "3d", {"dp": 1, "tp_x": 1, "tp_y": 2, "tp_z": 1}, {}),
     "padded-1d": ("padded", "llama", "megatron", {"tp": 2}, {}),
     "padded-1d-gpt2": ("padded", "gpt2", "megatron", {"tp": 2}, {}),
+    "plain-torchtitan-fsdp": ("plain", "llama", "replicate", {"dp": 2}, _TORCHTITAN),
 }
 
 
@@ -121,3 +124,13 @@ def test_padded_batches_match_single_process_where_tokens_are_real(case_id):
 def test_tensor_parallel_sub_mesh_flattens_the_2d_and_3d_axes():
     for r in _results()["sub-meshes"]:
         assert r == {"tp_size": 2, "tp_names": ("tp",), "dp_size": 1}
+
+
+@pytest.mark.timeout(400)
+def test_data_parallel_plan_runs_on_plain_tensors_with_torchtitans_fsdp_units():
+    # no tensor-parallel axis: forward and backward dispatch nothing on DTensors (FSDP2 hands the modules
+    # plain unsharded parameters); one unit per decoder layer gathered in forward and again in backward, the
+    # ZeRO-2 embedding / norm / head held by the root and gathered once: 2 x 2 + 1 all-gathers, 2 + 1
+    # reduce-scatters, as fully_shard by hand (scripts/bench_runtime_overhead.py)
+    for r in _results()["plain-torchtitan-fsdp"]:
+        assert r == {"dtensor_ops": 0, "calls": {"all_gather": 5, "reduce_scatter": 3}}
