@@ -10,8 +10,9 @@ from autoshard.capture import capture_model
 from autoshard.hardware_profiles import ClusterSpec
 from autoshard.models import load_model
 from autoshard.planner.bounds import knapsack_lp_min
+from autoshard.planner.candidate_bound import knapsack_bound_s
 from autoshard.planner.ilp import build_problem, solve
-from autoshard.planner.search import SPACE, _prepare, enumerate_candidates, knapsack_bound_s
+from autoshard.planner.search import SPACE, _prepare, enumerate_candidates
 
 
 def _best_integer_choice(items, capacity):

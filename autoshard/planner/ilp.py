@@ -63,7 +63,7 @@ from autoshard.planner.strategies import rebind
 from autoshard.planner.template import TemplateGraph, template_for
 
 __all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "relaxation_bound",
-           "extract_assignment", "expand_assignment", "edge_time_s"]
+           "extract_assignment", "expand_assignment", "edge_time_s", "optimizer_s_per_state_byte"]
 
 log = logging.getLogger(__name__)
 
@@ -194,14 +194,20 @@ def _op(tg: TemplateGraph, name: str):
     return next(op for op in tg.ops if op.name == name)
 
 
+def optimizer_s_per_state_byte(ctx: PlanContext) -> float:
+    """Seconds of the optimizer step per byte of optimizer state (`OpCost.optim_bytes` counts the master
+    weights and moments): the step streams the local shard's states through HBM."""
+    precision = ctx.precision
+    return optimizer_step_bytes(1.0, precision) / (precision.master_bytes + precision.optim_bytes) / (
+        ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)
+
+
 def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
     """T >= per-stage time; returns (T, [S_k], [opt_k] as term lists)."""
     T = _var(lp, "T", lowBound=0)
     syncs, opts = [], []
     m = ctx.num_microbatches
-    # the optimizer step streams the states of the local shard (optim_bytes counts master + moments)
-    per_state_byte = optimizer_step_bytes(1.0, ctx.precision) / (ctx.precision.master_bytes + ctx.precision.optim_bytes) / (
-        ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)
+    per_state_byte = optimizer_s_per_state_byte(ctx)
     for k in range(pipe.degree):
         comp, tp, dpmb, dpit, bwd, opt = [], [], [], [], [], []
         for op in tg.ops:
