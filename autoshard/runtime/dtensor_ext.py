@@ -93,6 +93,9 @@ def _align_mask(mask, query: DTensor):
     return mask.redistribute(placements=target)
 
 
+_CONTAINERS = (list, tuple, dict)
+
+
 class SPMDMode(TorchFunctionMode):
     """Function-level implicit replication, attention-mask alignment and free splits of fused projections
     (see the module docstring)."""
@@ -103,7 +106,10 @@ class SPMDMode(TorchFunctionMode):
             pieces = _split_fused(func.__name__, args, kwargs)
             if pieces is not None:
                 return pieces
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        nested = any(isinstance(x, _CONTAINERS) for x in args) or any(isinstance(x, _CONTAINERS)
+                                                                        for x in kwargs.values())
+        # most calls take tensors and scalars directly: look at them without pytree (it runs on every op)
+        flat, spec = pytree.tree_flatten((args, kwargs)) if nested else ([*args, *kwargs.values()], None)
         mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
         if mesh is not None and not _is_inplace(func, kwargs):
             plain = [isinstance(x, torch.Tensor) and not isinstance(x, DTensor) for x in flat]
@@ -111,7 +117,10 @@ class SPMDMode(TorchFunctionMode):
                 rep = [Replicate()] * mesh.ndim
                 flat = [DTensor.from_local(x, mesh, rep, run_check=False) if is_plain else x
                         for x, is_plain in zip(flat, plain, strict=True)]
-                args, kwargs = pytree.tree_unflatten(flat, spec)
+                if nested:
+                    args, kwargs = pytree.tree_unflatten(flat, spec)
+                else:
+                    args, kwargs = tuple(flat[:len(args)]), dict(zip(kwargs, flat[len(args):], strict=True))
             if func is F.scaled_dot_product_attention:
                 _check_attention_dropout(args, kwargs, mesh)
                 args, kwargs = _with_aligned_mask(args, kwargs)
