@@ -409,8 +409,8 @@ def md_where(results: dict) -> list[str]:
         f"{(one['autoshard']['median_step_s'] - one['hand']['median_step_s']) * 1e3:.0f} ms more per step are "
         f"host-side work: {one['autoshard']['dtensor_ops']} ops per step go through DTensor (sharding propagation "
         f"and dispatch in Python) against {one['hand']['dtensor_ops']} by hand, and a step makes "
-        f"{calls(one['autoshard'])} Python function calls against {calls(one['hand'])} (SPMD mode's "
-        f"`__torch_function__`, pytree flattening in the per-module wrappers, DTensor dispatch). DTensor's Python "
+        f"{calls(one['autoshard'])} Python function calls against {calls(one['hand'])} (DTensor's dispatch of the "
+        f"extra ops, SPMD mode's `__torch_function__` on every call of the forward, the per-module wrappers). DTensor's Python "
         f"dispatch alone (profiled `PythonSubclass` self time, one step on rank 0) took "
         f"{one['autoshard']['profile_rank0']['dtensor_dispatch'][1]:.0f} ms against "
         f"{one['hand']['profile_rank0']['dtensor_dispatch'][1]:.0f} ms.",

@@ -102,28 +102,41 @@ class SPMDMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in ("split", "chunk") and args and isinstance(args[0], DTensor):
+        if args and isinstance(args[0], DTensor) and getattr(func, "__name__", "") in ("split", "chunk"):
             pieces = _split_fused(func.__name__, args, kwargs)
             if pieces is not None:
                 return pieces
-        nested = any(isinstance(x, _CONTAINERS) for x in args) or any(isinstance(x, _CONTAINERS)
-                                                                        for x in kwargs.values())
-        # most calls take tensors and scalars directly: look at them without pytree (it runs on every op)
-        flat, spec = pytree.tree_flatten((args, kwargs)) if nested else ([*args, *kwargs.values()], None)
-        mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
-        if mesh is not None and not _is_inplace(func, kwargs):
-            plain = [isinstance(x, torch.Tensor) and not isinstance(x, DTensor) for x in flat]
-            if any(plain):
-                rep = [Replicate()] * mesh.ndim
-                flat = [DTensor.from_local(x, mesh, rep, run_check=False) if is_plain else x
-                        for x, is_plain in zip(flat, plain, strict=True)]
-                if nested:
-                    args, kwargs = pytree.tree_unflatten(flat, spec)
-                else:
-                    args, kwargs = tuple(flat[:len(args)]), dict(zip(kwargs, flat[len(args):], strict=True))
-            if func is F.scaled_dot_product_attention:
-                _check_attention_dropout(args, kwargs, mesh)
-                args, kwargs = _with_aligned_mask(args, kwargs)
+        # one pass over the direct arguments (this runs on every call in the model's forward): which mesh,
+        # any plain tensor, any container (then pytree finds the tensors inside)
+        mesh, plain, nested = None, False, False
+        for x in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(x, DTensor):
+                mesh = mesh or x.device_mesh
+            elif isinstance(x, torch.Tensor):
+                plain = True
+            elif isinstance(x, _CONTAINERS):
+                nested = True
+        if nested:
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
+            plain = any(isinstance(x, torch.Tensor) and not isinstance(x, DTensor) for x in flat)
+        if mesh is None or _is_inplace(func, kwargs):
+            return func(*args, **kwargs)
+        if plain:
+            rep = [Replicate()] * mesh.ndim
+
+            def lift(x):
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                    return DTensor.from_local(x, mesh, rep, run_check=False)
+                return x
+
+            if nested:
+                args, kwargs = pytree.tree_unflatten([lift(x) for x in flat], spec)
+            else:
+                args, kwargs = tuple(lift(x) for x in args), {k: lift(v) for k, v in kwargs.items()}
+        if func is F.scaled_dot_product_attention:
+            _check_attention_dropout(args, kwargs, mesh)
+            args, kwargs = _with_aligned_mask(args, kwargs)
         return func(*args, **kwargs)
 
 
