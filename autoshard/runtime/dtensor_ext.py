@@ -31,7 +31,8 @@ from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["register_dtensor_rules", "SPMDMode", "redistribute", "settle_masked_partial"]
+__all__ = ["register_dtensor_rules", "SPMDMode", "redistribute", "settle_masked_partial", "flatten_call",
+           "unflatten_call"]
 
 aten = torch.ops.aten
 _FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -96,6 +97,24 @@ def _align_mask(mask, query: DTensor):
 _CONTAINERS = (list, tuple, dict)
 
 
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list, object]:
+    """pytree.tree_flatten((args, kwargs)), without pytree for the usual flat call (tensors and scalars),
+    which is most calls of a model's forward."""
+    flat = [*args, *kwargs.values()] if kwargs else list(args)
+    for x in flat:  # a plain loop: this runs on every op of the forward
+        if isinstance(x, _CONTAINERS):
+            return pytree.tree_flatten((args, kwargs))
+    return flat, (len(args), tuple(kwargs))
+
+
+def unflatten_call(flat: list, tree) -> tuple[tuple, dict]:
+    """The inverse of `flatten_call`."""
+    if isinstance(tree, pytree.TreeSpec):
+        return pytree.tree_unflatten(flat, tree)
+    num_args, keys = tree
+    return tuple(flat[:num_args]), dict(zip(keys, flat[num_args:], strict=True))
+
+
 class SPMDMode(TorchFunctionMode):
     """Function-level implicit replication, attention-mask alignment and free splits of fused projections
     (see the module docstring)."""
@@ -106,34 +125,20 @@ class SPMDMode(TorchFunctionMode):
             pieces = _split_fused(func.__name__, args, kwargs)
             if pieces is not None:
                 return pieces
-        # one pass over the direct arguments (this runs on every call in the model's forward): which mesh,
-        # any plain tensor, any container (then pytree finds the tensors inside)
-        mesh, plain, nested = None, False, False
-        for x in (*args, *kwargs.values()) if kwargs else args:
+        flat, tree = flatten_call(args, kwargs)
+        mesh, plain = None, False
+        for x in flat:  # one pass: the mesh of the first DTensor, and whether plain tensors need lifting
             if isinstance(x, DTensor):
                 mesh = mesh or x.device_mesh
             elif isinstance(x, torch.Tensor):
                 plain = True
-            elif isinstance(x, _CONTAINERS):
-                nested = True
-        if nested:
-            flat, spec = pytree.tree_flatten((args, kwargs))
-            mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
-            plain = any(isinstance(x, torch.Tensor) and not isinstance(x, DTensor) for x in flat)
         if mesh is None or _is_inplace(func, kwargs):
             return func(*args, **kwargs)
         if plain:
             rep = [Replicate()] * mesh.ndim
-
-            def lift(x):
-                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-                    return DTensor.from_local(x, mesh, rep, run_check=False)
-                return x
-
-            if nested:
-                args, kwargs = pytree.tree_unflatten([lift(x) for x in flat], spec)
-            else:
-                args, kwargs = tuple(lift(x) for x in args), {k: lift(v) for k, v in kwargs.items()}
+            args, kwargs = unflatten_call([DTensor.from_local(x, mesh, rep, run_check=False)
+                                           if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                                           for x in flat], tree)
         if func is F.scaled_dot_product_attention:
             _check_attention_dropout(args, kwargs, mesh)
             args, kwargs = _with_aligned_mask(args, kwargs)

@@ -138,7 +138,7 @@ def _to_local(y, state: RuntimeState):
     batch_sharded = state.dp_degree > 1 and Shard(0) in [p for n, p in zip(state.mesh.mesh_dim_names, target,
                                                                            strict=True) if n == "dp"]
     factor = 1.0 / state.dp_degree if batch_sharded else 1.0
-    if not local.requires_grad or (factor == 1.0 and state.dp_degree == 1):
+    if not local.requires_grad or state.dp_degree == 1:
         return local  # nothing to scale, and no FSDP to warn about a returned view
     return _ScaleGrad.apply(local, factor)
 

@@ -29,7 +29,13 @@ from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import PlanFileError
 from autoshard.planner.layouts import Layout
-from autoshard.runtime.dtensor_ext import SPMDMode, redistribute, settle_masked_partial
+from autoshard.runtime.dtensor_ext import (
+    SPMDMode,
+    flatten_call,
+    redistribute,
+    settle_masked_partial,
+    unflatten_call,
+)
 from autoshard.runtime.embedding import vocab_parallel_lookup
 from autoshard.runtime.placements import activation_placements, param_placements
 from autoshard.runtime.specs import ModuleSpec, param_owners
@@ -136,7 +142,7 @@ class ModuleRuntime:
         return x
 
     def __call__(self, *args, **kwargs):
-        flat, tree = _flatten(args, kwargs)
+        flat, tree = flatten_call(args, kwargs)
         flat = [self._replicated(x) for x in flat]
         act_pos = [i for i, x in enumerate(flat) if isinstance(x, DTensor)][: len(self.spec.inputs)]
         weight_names = list(self.compute_placements)
@@ -149,7 +155,7 @@ class ModuleRuntime:
                     local_flat[i] = redistribute_activation(x, lay, self.names)
                 weights = {n: redistribute(w, self.compute_placements[n])
                            for n, w in zip(weight_names, tensors[len(act_pos):], strict=True)}
-                a, kw = _unflatten(local_flat, tree)
+                a, kw = unflatten_call(local_flat, tree)
                 with _swapped(self.module, weights):
                     return self.compute(*a, **kw)
 
@@ -160,20 +166,6 @@ class ModuleRuntime:
                                            fused=self.spec.fused)
 
         return send(out) if isinstance(out, torch.Tensor) else pytree.tree_map(send, out)
-
-
-def _flatten(args: tuple, kwargs: dict) -> tuple[list, object]:
-    """pytree.tree_flatten((args, kwargs)), without pytree for the usual flat call (tensors and scalars)."""
-    if any(isinstance(x, (list, tuple, dict)) for x in (*args, *kwargs.values())):
-        return pytree.tree_flatten((args, kwargs))
-    return [*args, *kwargs.values()], (len(args), tuple(kwargs))
-
-
-def _unflatten(flat: list, tree) -> tuple[tuple, dict]:
-    if isinstance(tree, pytree.TreeSpec):
-        return pytree.tree_unflatten(flat, tree)
-    num_args, keys = tree
-    return tuple(flat[:num_args]), dict(zip(keys, flat[num_args:], strict=True))
 
 
 def install_module_runtimes(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> dict[str, ModuleRuntime]:
