@@ -84,7 +84,8 @@ def autoshard_side(plan):
     """(module, this rank's slice of a global batch) with the plan applied by autoshard's runtime."""
     from autoshard.runtime import apply_plan, build_device_mesh
 
-    pmodel = apply_plan(build_model(), plan, mesh=build_device_mesh(plan.mesh))
+    ids = global_batches()[0][0]
+    pmodel = apply_plan(build_model(), plan, mesh=build_device_mesh(plan.mesh), example_inputs=(ids[:2],))
     return pmodel, pmodel.shard_inputs
 
 

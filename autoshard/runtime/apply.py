@@ -6,6 +6,8 @@
        with sharded rows look up vocabulary-parallel (embedding.py);
     3. statistics-parallel norms, used when a norm's input arrives sharded on the hidden dim (norms.py);
     4. operator splitting of the Linears planned with split > 1 (split.py);
+       given example inputs, the choice between running the model's own code on local shards and SPMD mode
+       (local_shards.py; it runs two forwards, so before FSDP);
     5. sharded data parallel per op: FSDP2 in SPMD mode on the dp mesh dim (data_parallel.py).
 
 A plan without tensor-parallel axes skips steps 2 and 3 and runs on plain tensors: its operator splitting
@@ -28,6 +30,7 @@ from autoshard.runtime.data_parallel import (
     apply_sharded_data_parallel,
 )
 from autoshard.runtime.dtensor_ext import register_dtensor_rules
+from autoshard.runtime.local_shards import choose_local_shards
 from autoshard.runtime.norms import statistics_parallel_forward
 from autoshard.runtime.parallel_module import ParallelModule, RuntimeState, make_parallel
 from autoshard.runtime.specs import ModuleSpec, module_specs
@@ -38,11 +41,15 @@ __all__ = ["apply_plan"]
 log = logging.getLogger(__name__)
 
 
-def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph | None = None) -> ParallelModule:
+def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph | None = None,
+               example_inputs: tuple | None = None) -> ParallelModule:
     """Parallelize `model` in place as `plan` says, on `mesh` (from `build_device_mesh(plan.mesh)`).
 
     The plan names each op's producers, so it is all the runtime needs; `graph`, the `OpGraph` the plan was made
-    from, is optional: when given, the plan's fingerprint is checked against it. Call on every rank.
+    from, is optional: when given, the plan's fingerprint is checked against it. `example_inputs` (one batch
+    of this rank's inputs, any size) let a tensor-parallel plan run the model's own code on local shards
+    when that gives the same outputs (local_shards.py); without them every op runs on DTensors. Call on
+    every rank.
     """
     register_dtensor_rules()
     specs = module_specs(plan, graph, model)
@@ -52,11 +59,14 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
         apply_plain_data_parallel(model, specs, mesh)  # 5
         log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
         return model
-    model = make_parallel(model, RuntimeState(plan=plan, mesh=mesh))  # 1
+    state = RuntimeState(plan=plan, mesh=mesh)
+    model = make_parallel(model, state)  # 1
     distribute_parameters(model, specs, mesh)  # 2: storage placements ...
-    runtimes = install_module_runtimes(model, specs, mesh)  # ... and redistribution around module calls
+    runtimes = install_module_runtimes(model, specs, mesh, state)  # ... and redistribution around module calls
     _statistics_parallel_norms(specs, runtimes)  # 3
     apply_operator_splitting(model, specs, runtimes, mesh)  # 4
+    if example_inputs is not None:  # 4b: the model's own code on local shards if the plan and the code allow
+        choose_local_shards(model, state, specs, example_inputs)
     apply_sharded_data_parallel(model, specs, mesh)  # 5
     log.info("applied plan %s on mesh %s: %d module ops", plan.model, plan.mesh, len(specs))
     return model

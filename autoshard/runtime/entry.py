@@ -117,7 +117,7 @@ def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_
                                        device_type=device_type)
         mesh = build_device_mesh(plan.mesh, device_type=device_type)
         align_group_timeouts()  # the mesh's sub-groups get the default group's timeout, not gloo's 30 minutes
-        pmodel = apply_plan(model, plan, mesh=mesh)
+        pmodel = apply_plan(model, plan, mesh=mesh, example_inputs=inputs)
         align_group_timeouts()  # and the groups apply_plan made (a replicated-dp mesh for ZeRO-0 on plain tensors)
         if loss_fn is not None:
             from autoshard.runtime.pipeline_train import attach_loss_fn

@@ -36,6 +36,9 @@ class RuntimeState:
     plan: Plan
     mesh: DeviceMesh
     spmd: bool = True  # False: a plan without tensor-parallel axes runs on plain tensors (apply.py)
+    local: bool = False  # True: the model's own code runs on local shards, DTensors only in planned modules
+    local_batch: int | None = None  # this rank's batch size in the current forward (local mode)
+    why_not_local: str = "no example inputs to check it on"  # when not `local` (local_shards.py)
 
     @property
     def dp_degree(self) -> int:
@@ -97,6 +100,11 @@ class ParallelModule:
         state = self._autoshard
         if not state.spmd:  # data parallel only: FSDP2 on ordinary tensors, inputs and outputs as they are
             return super().forward(*args, **kwargs)  # type: ignore[misc]
+        if state.local:
+            first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
+            state.local_batch = first.shape[0] if first is not None and first.dim() > 0 else None
+            out = super().forward(*args, **kwargs)  # type: ignore[misc]
+            return pytree.tree_map(lambda y: _local_output(y, state), out)
         with SPMDMode():
             args, kwargs = pytree.tree_map(lambda x: _to_dtensor(x, state), (args, kwargs))
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
@@ -141,6 +149,17 @@ def _to_local(y, state: RuntimeState):
     if not local.requires_grad or state.dp_degree == 1:
         return local  # nothing to scale, and no FSDP to warn about a returned view
     return _ScaleGrad.apply(local, factor)
+
+
+def _local_output(y, state: RuntimeState):
+    """A model output in local mode: a module's shard goes the way of `_to_local`; a tensor the model's own code
+    made is this rank's already (its 1/dp gradient scale applied)."""
+    from autoshard.runtime.tensor_parallel import from_local_shard
+
+    if not isinstance(y, torch.Tensor):
+        return y
+    dp_dims = tuple(n == "dp" for n in state.mesh.mesh_dim_names)
+    return _to_local(from_local_shard(y, state.mesh, None, state.local_batch, dp_dims), state)
 
 
 def make_parallel(model: nn.Module, state: RuntimeState) -> nn.Module:

@@ -42,6 +42,14 @@ class ModuleSpec:
     split: int = 1
     regather: bool = False  # save_sharded_input: gather inside a checkpoint, again in backward
     fused: int = 1  # > 1: a fused projection whose output one attention op splits into this many parts
+    # layouts the activation inputs arrive in (their producers' outputs after redistribution); None: a model
+    # input or a tensor made by the model off the gradient path (mask, positions). Read on local shards only.
+    arriving: tuple[Layout | None, ...] = ()
+    arriving_from: tuple[str | None, ...] = ()  # the module path of each input's producer, None if not a module
+    # module paths of the output's consumers when every consumer is a planned module call (() for an output
+    # of the model), None when the model's own code consumes it too (local shards: whether gradients may come
+    # back as partial sums)
+    module_consumers: tuple[str, ...] | None = None
 
 
 def _is_module_call(op_plan: OpPlan, leaves: set[str]) -> bool:
@@ -160,6 +168,17 @@ def module_specs(plan: Plan, graph: OpGraph | None, model: nn.Module) -> dict[st
     module_ops = {p.op: p for p in plan.ops if _is_module_call(p, leaves)}
     consumers = _consumers(producers)
     specs: dict[str, ModuleSpec] = {}
+
+    def sent(src: str) -> Layout | None:
+        """Layout op `src`'s output is handed over in."""
+        if src not in by_op:
+            return None
+        if src in module_ops:
+            out = _output_layout(producers, by_op, consumers.get(src, []), src, module_ops)
+            if out is not None:
+                return out
+        return by_op[src].strategy.output
+
     for name, op_plan in module_ops.items():
         if op_plan.module in specs:
             if op_plan.strategy != by_op[specs[op_plan.module].op].strategy:
@@ -173,9 +192,19 @@ def module_specs(plan: Plan, graph: OpGraph | None, model: nn.Module) -> dict[st
             path=op_plan.module, op=name, kind=op_plan.kind, inputs=st.inputs,
             output=_output_layout(producers, by_op, users, name, module_ops),
             params=_local_params(model, module, op_plan), zero=st.zero, split=st.split,
-            regather=st.save_sharded_input, fused=_fused_parts(producers, by_op, op_plan, users))
+            regather=st.save_sharded_input, fused=_fused_parts(producers, by_op, op_plan, users),
+            arriving=tuple(sent(src) for src in producers.get(name, ())),
+            arriving_from=tuple(module_ops[src].module if src in module_ops else None
+                                for src in producers.get(name, ())),
+            module_consumers=_module_consumers(users, module_ops))
     _warn_unhooked(plan, module_ops)
     return specs
+
+
+def _module_consumers(users: list[str], module_ops: dict[str, OpPlan]) -> tuple[str, ...] | None:
+    if any(u not in module_ops for u in users):
+        return None
+    return tuple(dict.fromkeys(module_ops[u].module for u in users))
 
 
 def _warn_unhooked(plan: Plan, module_ops: dict[str, OpPlan]) -> None:

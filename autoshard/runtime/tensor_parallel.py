@@ -17,18 +17,19 @@ places are replicated. Each planned leaf-module call is wrapped by a `ModuleRunt
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import PlanFileError
-from autoshard.planner.layouts import Layout
+from autoshard.planner.layouts import BATCH, PARTIAL, REPLICATE, Layout
 from autoshard.runtime.dtensor_ext import (
     SPMDMode,
     flatten_call,
@@ -37,7 +38,7 @@ from autoshard.runtime.dtensor_ext import (
     unflatten_call,
 )
 from autoshard.runtime.embedding import vocab_parallel_lookup
-from autoshard.runtime.placements import activation_placements, param_placements
+from autoshard.runtime.placements import activation_dim, activation_placements, param_placements
 from autoshard.runtime.specs import ModuleSpec, param_owners
 
 __all__ = ["distribute_parameters", "ModuleRuntime", "install_module_runtimes", "redistribute_activation",
@@ -124,9 +125,11 @@ def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]):
 class ModuleRuntime:
     """The forward of one planned module call (installed as the module's `forward`)."""
 
-    def __init__(self, module: nn.Module, spec: ModuleSpec, mesh: DeviceMesh) -> None:
+    def __init__(self, module: nn.Module, spec: ModuleSpec, mesh: DeviceMesh, state=None) -> None:
         self.module, self.spec, self.mesh = module, spec, mesh
+        self.state = state  # the model's RuntimeState; its `local` flag selects local shards between modules
         self.names = mesh.mesh_dim_names
+        self.dp_dims = tuple(n == "dp" for n in self.names)
         self.compute: Callable = functools.partial(type(module).forward, module)  # norms/splits replace it
         if isinstance(module, nn.Embedding):
             self.compute = functools.partial(vocab_parallel_lookup, module)
@@ -135,6 +138,11 @@ class ModuleRuntime:
             storage, compute = param_layouts(spec, module, local, mesh)
             if storage != compute:
                 self.compute_placements[local] = compute
+        self.replicated = _replicated_on_tp(spec) and not isinstance(module, nn.Embedding)
+        # set by install_module_runtimes, which sees every runtime: whether this output's gradients come back
+        # as partial sums, and whether each activation input's producer takes them back so
+        self.partial_grads = False
+        self.input_partial: tuple[bool, ...] = ()
 
     def _replicated(self, x):
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
@@ -143,7 +151,11 @@ class ModuleRuntime:
 
     def __call__(self, *args, **kwargs):
         flat, tree = flatten_call(args, kwargs)
-        flat = [self._replicated(x) for x in flat]
+        if self.state is not None and self.state.local:
+            return self._call_local(flat, tree)
+        return self._call_dtensor([self._replicated(x) for x in flat], tree)
+
+    def _call_dtensor(self, flat: list, tree):
         act_pos = [i for i, x in enumerate(flat) if isinstance(x, DTensor)][: len(self.spec.inputs)]
         weight_names = list(self.compute_placements)
         tensors = [flat[i] for i in act_pos] + [self.module._parameters[n] for n in weight_names]
@@ -160,19 +172,176 @@ class ModuleRuntime:
                     return self.compute(*a, **kw)
 
         out = checkpoint(run, *tensors, use_reentrant=False) if self.spec.regather else run(*tensors)
+        return self._map_output(self._send, out)
 
-        def send(y):
-            return redistribute_activation(settle_masked_partial(y), self.spec.output, self.names, output=True,
-                                           fused=self.spec.fused)
+    def _send(self, y):
+        return redistribute_activation(settle_masked_partial(y), self.spec.output, self.names, output=True,
+                                       fused=self.spec.fused)
 
-        return send(out) if isinstance(out, torch.Tensor) else pytree.tree_map(send, out)
+    def _map_output(self, fn, out):
+        return fn(out) if isinstance(out, torch.Tensor) else pytree.tree_map(fn, out)
+
+    # -- local shards between planned modules (RuntimeState.local) ----------------------------------------------
+    def _call_local(self, flat: list, tree):
+        """The module call when the model's own code runs on local shards: its activation inputs become
+        DTensors here and its output goes back to a local shard tagged with its placements. A module that is
+        replicated on every tensor-parallel axis computes on local tensors outright."""
+        acts = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)][: len(self.spec.inputs)]
+        if self.replicated and all(_replicated_shard(flat[i], self.dp_dims) for i in acts):
+            return self._call_replicated(flat, tree)
+        for k, i in enumerate(acts):
+            layout = self.spec.arriving[k] if k < len(self.spec.arriving) else None
+            partial = k < len(self.input_partial) and self.input_partial[k]
+            flat[i] = from_local_shard(flat[i], self.mesh, layout, self.state.local_batch, self.dp_dims,
+                                       partial_grads=partial)
+        out = self._call_dtensor([self._replicated(x) for x in flat], tree)
+        return self._map_output(self._to_local_shard, out)
+
+    def _call_replicated(self, flat: list, tree):
+        """Inputs, parameters and output replicated on the tensor-parallel axes: the module's own forward on
+        local tensors (its parameters' local values, their gradients handed back as DTensors), then the
+        output's boundary as on the DTensor path (which all-reduces partial gradients coming back)."""
+        weights = {n: p.to_local(grad_placements=_local_grad_placements(p.placements, self.dp_dims))
+                   for n, p in self.module._parameters.items() if isinstance(p, DTensor)}
+        a, kw = unflatten_call(flat, tree)
+        with _swapped(self.module, weights):
+            out = self.compute(*a, **kw)
+
+        def back(y):
+            if not isinstance(y, torch.Tensor):
+                return y
+            y = from_local_shard(y, self.mesh, None, self.state.local_batch, self.dp_dims)
+            return self._to_local_shard(self._send(y))
+
+        return self._map_output(back, out)
+
+    def _to_local_shard(self, y):
+        return to_local_shard(y, self.dp_dims, partial_grads=self.partial_grads)
 
 
-def install_module_runtimes(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> dict[str, ModuleRuntime]:
+def _replicated_on_tp(spec: ModuleSpec) -> bool:
+    """Every activation layout and parameter placement of the op is replicated on the tensor-parallel axes."""
+    layouts = [*spec.inputs, *spec.arriving, *([spec.output] if spec.output is not None else [])]
+    layouts += [p for pp in spec.params.values() for p in (pp.compute, pp.storage)]
+    return not spec.regather and spec.split == 1 and all(
+        a == "dp" for lay in layouts if lay is not None for a, _ in lay.items)
+
+
+def install_module_runtimes(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh,
+                            state=None) -> dict[str, ModuleRuntime]:
     runtimes = {}
     for path, spec in specs.items():
         module = model.get_submodule(path)
-        runtime = ModuleRuntime(module, spec, mesh)
+        runtime = ModuleRuntime(module, spec, mesh, state)
         module.forward = runtime
         runtimes[path] = runtime
+    for runtime in runtimes.values():
+        # on local shards, an output only modules consume may take its gradients back as partial sums (one
+        # reduction at this boundary for all of them, as in SPMD mode) if each of them gives one
+        users = runtime.spec.module_consumers
+        runtime.partial_grads = bool(users) and all(
+            u in runtimes and not runtimes[u].replicated for u in users)
+    for runtime in runtimes.values():
+        runtime.input_partial = tuple(src is not None and src in runtimes and runtimes[src].partial_grads
+                                      for src in runtime.spec.arriving_from)
     return runtimes
+
+
+# -- local shards between planned modules -------------------------------------------------------------------------
+_TAG = "_autoshard_dtensor"  # (placements, grad placements, global shape, stride) of a module output's shard
+
+
+def _local_grad_placements(placements, dp_dims, *, partial: bool = False) -> tuple[Placement, ...]:
+    """Gradient placements of a DTensor crossing to or from the model's code on local shards.
+
+    Tensor-parallel axes: a partial sum's gradient is replicated; a replicated tensor's is replicated, or
+    partial (`partial`: every consumer is a module that hands back a partial sum, to be reduced once at the
+    producer's boundary). dp: a tensor without a batch dim (replicated) gets this rank's partial gradient (a
+    sum over its own samples), left partial for FSDP's one reduction."""
+    out = []
+    for p, dp in zip(placements, dp_dims, strict=True):
+        if p.is_partial():
+            out.append(Replicate())
+        elif isinstance(p, Replicate) and (dp or partial):
+            out.append(Partial())
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def to_local_shard(y, dp_dims, *, partial_grads: bool = False):
+    """This rank's shard of module output `y`, tagged with its placements for the consuming module."""
+    if not isinstance(y, DTensor):
+        return y
+    grads = _local_grad_placements(y.placements, dp_dims, partial=partial_grads)
+    local = _ToLocal.apply(y, grads)
+    setattr(local, _TAG, (tuple(y.placements), grads, y.shape, y.stride()))
+    return local
+
+
+class _ToLocal(torch.autograd.Function):
+    """`DTensor.to_local(grad_placements=...)` returning an alias instead of a view: FSDP2 warns about views
+    a module returns (an in-place op on one would skip its pre-backward hook)."""
+
+    @staticmethod
+    def forward(ctx, y: DTensor, grad_placements: tuple[Placement, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.grads, ctx.shape, ctx.stride = y.device_mesh, grad_placements, y.shape, y.stride()
+        return y._local_tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return DTensor.from_local(grad, ctx.mesh, ctx.grads, run_check=False, shape=ctx.shape,
+                                  stride=ctx.stride), None
+
+
+def _replicated_shard(x: torch.Tensor, dp_dims) -> bool:
+    """A local tensor that is whole on the tensor-parallel axes, with replicated gradients (no tag: made by
+    the model's code, replicated by the plan's check in apply.py)."""
+    tag = getattr(x, _TAG, None)
+    if tag is None:
+        return True
+    placements, grads = tag[0], tag[1]
+    return all(dp or (isinstance(p, Replicate) and isinstance(g, Replicate))
+               for p, g, dp in zip(placements, grads, dp_dims, strict=True))
+
+
+def from_local_shard(x: torch.Tensor, mesh: DeviceMesh, layout: Layout | None, local_batch: int | None,
+                     dp_dims, *, partial_grads: bool = False) -> DTensor:
+    """DTensor of local shard `x`: as its producer module tagged it, else laid out as `layout` (None: a
+    model input or constant, replicated on the tensor-parallel axes); on dp, batch-sharded when its dim 0 is
+    this rank's batch. `partial_grads`: the producer takes the gradient back as a partial sum (a view of its
+    output, which lost the tag, reaching a module)."""
+    tag = getattr(x, _TAG, None)
+    if tag is not None:
+        placements, grads, shape, stride = tag
+        return DTensor.from_local(x, mesh, placements, run_check=False, shape=shape, stride=stride,
+                                  grad_placements=grads)
+    placements = _untagged_placements(x, mesh, layout, local_batch, dp_dims)
+    return DTensor.from_local(x, mesh, placements, run_check=False,
+                              grad_placements=_local_grad_placements(placements, dp_dims, partial=partial_grads))
+
+
+def _untagged_placements(x: torch.Tensor, mesh: DeviceMesh, layout: Layout | None, local_batch: int | None,
+                         dp_dims) -> list[Placement]:
+    """Placements of a local shard laid out as `layout` (None: replicated on the tensor-parallel axes).
+
+    Its dim 0 is a batch shard when it is this rank's batch (`local_batch`, the model input's) cut by the
+    tensor-parallel axes the layout shards the batch on; any other size there is a broadcast dim (a position
+    embedding), replicated, as `activation_placements` decides from a global shape."""
+    names = mesh.mesh_dim_names
+    pls = [REPLICATE if layout is None else layout.get(a) for a in names]
+    cuts = math.prod(mesh.size(i) for i, pl in enumerate(pls) if pl == BATCH and not dp_dims[i])
+    is_batch = x.dim() > 0 and local_batch is not None and x.shape[0] * cuts == local_batch
+    is_index = not (x.is_floating_point() or x.is_complex())
+    out: list[Placement] = []
+    for pl, dp in zip(pls, dp_dims, strict=True):
+        if dp or pl == BATCH:
+            out.append(Shard(0) if is_batch else Replicate())
+        elif pl == PARTIAL:
+            out.append(Partial())
+        elif pl == REPLICATE:
+            out.append(Replicate())
+        else:
+            dim = activation_dim(pl, x.shape, is_index=is_index)
+            out.append(Replicate() if dim is None else Shard(dim))
+    return out

@@ -94,7 +94,7 @@ def _parallelize(model: nn.Module, case: dict, x: torch.Tensor) -> nn.Module:
     if "autoplan" in case:
         return autoparallel(model, f"1x{world}xcpu", example_inputs=(x[:2],), global_batch=case["batch"],
                             **case["autoplan"])
-    return apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh))
+    return apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh), example_inputs=(x[:2],))
 
 
 def _one_case(case: dict) -> dict:
@@ -108,6 +108,7 @@ def _one_case(case: dict) -> dict:
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
     result: dict = {"case": case["id"], "param_bytes": local_param_bytes(pmodel), "plan": pmodel.plan.to_json(),
+                    "local_shards": pmodel._autoshard.local, "why_not_local": pmodel._autoshard.why_not_local,
                     "expected_param_bytes": case.get("expected_param_bytes")}
     for step in range(case.get("steps", STEPS)):
         ref_loss = loss_of(name, ref(x), y)

@@ -17,8 +17,11 @@ __all__ = ["contract_checks", "CONTRACT_CHECKS"]
 
 
 def _apply(case: dict):
+    """The plan applied with example inputs, as `autoparallel` does (the model's code may then run on local
+    shards), or without (`case["spmd"]`: every op on DTensors)."""
     model = build(case["model"])
-    return model, apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh))
+    example = None if case.get("spmd") else (example_batch(case["model"], 2)[0],)
+    return model, apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh), example_inputs=example)
 
 
 def _step(pmodel, name: str, batch: int):
@@ -61,9 +64,12 @@ def _plain(case: dict) -> dict:
 
     class Recorder(CollectiveRecorder):
         dtensor_ops = 0
+        dtensor_op_names: set[str] = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.dtensor_ops += any(issubclass(t, DTensor) for t in types)
+            if any(issubclass(t, DTensor) for t in types):
+                self.dtensor_ops += 1
+                self.dtensor_op_names.add(str(func))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     _, pmodel = _apply(case)
@@ -75,6 +81,9 @@ def _plain(case: dict) -> dict:
     counts: dict[str, int] = {}
     for call in rec.calls:
         counts[call.kind] = counts.get(call.kind, 0) + 1
+    if case.get("op_names"):
+        return {"local_shards": pmodel._autoshard.local, "dtensor_op_names": sorted(rec.dtensor_op_names),
+                "calls": counts}
     return {"dtensor_ops": rec.dtensor_ops, "calls": counts}
 
 
@@ -84,8 +93,8 @@ def _padded(case: dict) -> float:
     attention's batch / heads."""
     model = build(case["model"])
     ref = copy.deepcopy(model)
-    pmodel = apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh))
     ids, _ = example_batch(case["model"], case["batch"])
+    pmodel = apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh), example_inputs=(ids[:2],))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding
     mask[2, 11:] = 0  # right padding

@@ -75,3 +75,29 @@ def tiny_neox() -> nn.Module:
 
 
 MODELS["neox"] = tiny_neox
+
+
+def tiny_gpt_heads_then_minus_one() -> nn.Module:
+    """Not a library model: nanoGPT-style GPT (autoshard.models.small) whose attention reshapes q, k, v with
+    an explicit head count and -1 for the head dim, `view(B, T, heads, -1)`. On a tensor-parallel shard that
+    runs without error but halves the head dim instead of the heads: the model's code is not shard-local, so
+    the runtime must notice and run it on DTensors."""
+    import torch.nn.functional as F
+
+    from autoshard.models.small import GQAGPT
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    model = GQAGPT(layers=2, hidden=HIDDEN, heads=HEADS, kv_heads=HEADS, ffn=128, vocab=VOCAB, seq=SEQ)
+    for block in model.h:
+        block.attn.forward = forward.__get__(block.attn)
+    return model
+
+
+MODELS["gpt-heads-minus-one"] = tiny_gpt_heads_then_minus_one

@@ -31,6 +31,7 @@ CHECKS = {
     "outputs-1d": ("outputs", "gpt2", "megatron", {"tp": 2}, {}),
     "outputs-split": ("outputs", "gpt2", "replicate", {"dp": 2}, _SPLIT),
     "comm-1d": ("comm", "llama", "megatron", {"tp": 2}, {}),
+    "comm-1d-spmd": ("comm", "llama", "megatron", {"tp": 2}, {}),
     "comm-1d-fused-qkv": ("comm", "gpt2", "megatron", {"tp": 2}, {}),
     "comm-dp": ("comm", "mlp", "replicate", {"dp": 2}, {}),
     "comm-zero3": ("comm", "mlp", "replicate", {"dp": 2}, {"zero": 3}),
@@ -40,7 +41,9 @@ CHECKS = {
     "padded-1d": ("padded", "llama", "megatron", {"tp": 2}, {}),
     "padded-1d-gpt2": ("padded", "gpt2", "megatron", {"tp": 2}, {}),
     "plain-torchtitan-fsdp": ("plain", "llama", "replicate", {"dp": 2}, _TORCHTITAN),
+    "local-shards-1d": ("plain", "llama", "megatron", {"tp": 2}, {}),
 }
+_CASE_FLAGS = {"comm-1d-spmd": {"spmd": True}, "local-shards-1d": {"op_names": True}}
 
 
 @functools.cache
@@ -57,7 +60,7 @@ def _results() -> dict[str, object]:
     for case_id, (check, model, family, degrees, options) in CHECKS.items():
         plan = make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options)
         cases.append({"id": case_id, "check": check, "model": model, "plan": plan, "graph": _graph(model),
-                      "batch": BATCH})
+                      "batch": BATCH, **_CASE_FLAGS.get(case_id, {})})
     per_rank = run_world(contract_checks, 2, cases, timeout_s=300)
     return {r["id"]: [rank[i]["result"] for rank in per_rank] for i, r in enumerate(per_rank[0])}
 
@@ -81,10 +84,12 @@ def test_parameter_names_are_kept_except_under_operator_splitting():
 
 
 @pytest.mark.timeout(400)
-def test_megatron_step_sends_exactly_megatrons_collectives():
+@pytest.mark.parametrize("case_id", ["comm-1d", "comm-1d-spmd"])
+def test_megatron_step_sends_exactly_megatrons_collectives(case_id):
     # forward: embedding + 2 per layer all-reduces (5); backward: the input gradient of each attention and MLP
-    # block and of the head (5); the logits are gathered once for the caller
-    for r in _results()["comm-1d"]:
+    # block and of the head (5); the logits are gathered once for the caller. The same on local shards (the
+    # fan-out to q, k, v takes its gradient back as one partial sum) as with every op on DTensors.
+    for r in _results()[case_id]:
         assert r == {"all_gather": LOGIT_BYTES, "all_reduce": 10 * ACT_BYTES}
 
 
@@ -134,3 +139,17 @@ def test_data_parallel_plan_runs_on_plain_tensors_with_torchtitans_fsdp_units():
     # reduce-scatters, as fully_shard by hand (scripts/bench_runtime_overhead.py)
     for r in _results()["plain-torchtitan-fsdp"]:
         assert r == {"dtensor_ops": 0, "calls": {"all_gather": 5, "reduce_scatter": 3}}
+
+
+@pytest.mark.timeout(400)
+def test_megatron_llama_runs_its_attention_norms_and_residuals_on_local_tensors():
+    # torchtitan's way (local_shards.py): DTensors only inside the Linears, embedding and head; Llama's
+    # attention, rotary, RMSNorm and residual adds run on this rank's shards, with Megatron's collectives
+    for r in _results()["local-shards-1d"]:
+        assert r["local_shards"]
+        names = set(r["dtensor_op_names"])
+        assert "aten.mm.default" in names
+        for local_op in ("aten._scaled_dot_product_flash_attention_for_cpu.default", "aten.rsqrt.default",
+                         "aten.add.Tensor", "aten.cat.default"):
+            assert local_op not in names
+        assert r["calls"] == {"all_gather": 1, "all_reduce": 10}

@@ -52,6 +52,8 @@ CASES["mlp-3d"] = (8, "mlp", "3d", {"tp_x": 2, "tp_y": 2, "tp_z": 2}, {})
 CASES["qwen2-dp-1d-public-api"] = (4, "qwen2", "megatron", {"dp": 2, "tp": 2}, {"zero": 2})
 # GPT-NeoX: not in the zoo either; its fused QKV is laid out per head (split after a view), parallel residual
 CASES["neox-1d"] = (2, "neox", "megatron", {"tp": 2}, {})
+# nanoGPT-style attention that reshapes with view(B, T, heads, -1): runs on shards but computes other values
+CASES["gpt-heads-minus-one-1d"] = (2, "gpt-heads-minus-one", "megatron", {"tp": 2}, {})
 
 
 @functools.cache
@@ -185,3 +187,22 @@ def test_3d_step_gathers_each_weight_once_and_reduce_scatters_outputs_and_gradie
     expected = _bian_mlp_bytes(batch=BATCH, hidden=16, ffn=32, blocks=2, q=2)
     for rank in _world_results(8, str(tmp_path_factory.getbasetemp()))["mlp-3d"]:
         assert rank["comm"] == expected
+
+
+# -- where the model's own code runs: local shards or DTensors (local_shards.py) ---------------------------------
+# Not on local shards: GPT-2 splits its fused q/k/v projection by an explicit size (`split(self.split_size)`),
+# which a shard cannot follow; under sequence parallelism Llama's attention reshapes the gathered q with the
+# shape of its sequence-sharded input; the MLP adds its replicated input to a 3D-sharded output (a
+# redistribution only DTensor makes); `view(B, T, heads, -1)` runs on a shard without error but halves the
+# head dim, which only the check of outputs on the example inputs sees. Those run every op on DTensors (SPMD
+# mode), and are equal all the same.
+_SPMD_MODE = {"llama-1d-sp", "mlp-3d", "gpt-heads-minus-one-1d"}
+_TENSOR_PARALLEL = [c for c, (_, _, family, _, _) in CASES.items() if family != "replicate"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case_id", _TENSOR_PARALLEL)
+def test_tensor_parallel_code_runs_on_local_shards_where_it_computes_the_same(case_id, tmp_path_factory):
+    results = _world_results(CASES[case_id][0], str(tmp_path_factory.getbasetemp()))[case_id]
+    expected = CASES[case_id][1] != "gpt2" and case_id not in _SPMD_MODE
+    assert [r["local_shards"] for r in results] == [expected] * len(results), results[0]["why_not_local"]
