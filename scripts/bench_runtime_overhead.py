@@ -333,17 +333,20 @@ _LAYOUTS = """\
 | op | autoshard's `megatron` plan (tp=4) | by hand (`parallelize_module`) |
 |---|---|---|
 | `embed_tokens` | vocab-parallel: weight `tp:S(in)` (rows), output `tp:P`, reduced to `R` for its consumers | `RowwiseParallel(input_layouts=Replicate())`: weight `Shard(0)`, output all-reduced to `Replicate()` |
-| norms, residual adds | `R` (weights replicated DTensors) | left alone: plain tensors, identical on every rank |
-| q / k / v, gate / up | column: input `R`, weight `tp:S(out)`, output `tp:S(feat)`; one all-reduce of the input gradient per fan-out | `ColwiseParallel()`, behind `PrepareModuleInput(..., use_local_output=False)` on `self_attn` / `mlp` so the input gradient is also all-reduced once per fan-out, not once per Linear |
-| attention, SwiGLU product | on `tp:S(feat)` (heads) | on local tensors (1 head per rank; HF reshapes with `-1`) |
+| norms, residual adds | `R`; on local tensors (norm weights are replicated DTensors, read locally) | left alone: plain tensors, identical on every rank |
+| q / k / v, gate / up | column: input `R`, weight `tp:S(out)`, output `tp:S(feat)`; one all-reduce of the input gradient per fan-out (the norm's output takes it back as one partial sum) | `ColwiseParallel()`, behind `PrepareModuleInput(..., use_local_output=False)` on `self_attn` / `mlp` so the input gradient is also all-reduced once per fan-out, not once per Linear |
+| attention, SwiGLU product | on `tp:S(feat)` (heads), as local shards (1 head per rank) | on local tensors (1 head per rank; HF reshapes with `-1`) |
 | o / down | row: input `tp:S(feat)`, weight `tp:S(in)`, output `tp:P` reduced to `R` | `RowwiseParallel()`: output all-reduced to `Replicate()` |
 | `lm_head` | column: weight `tp:S(out)`, logits `tp:S(feat)`, gathered to full vocab by the returned module | `ColwiseParallel(output_layouts=Replicate())` |
 
-What differs on the 1D side: autoshard runs *every* op of the model on DTensors (its SPMD mode: rotary, norms,
-softmax, residual adds, the logits) with activation layouts redistributed at planned module boundaries; the
-hand version has DTensors only inside the parallelized Linears / embedding and plain local tensors in between.
-Norm weights are replicated DTensors in autoshard and plain tensors by hand. The collectives are the same
-(counted below).
+autoshard applies the plan with example inputs, as `autoparallel` does, so the model's own code (rotary,
+attention, residual adds) runs on local shards like the hand version's, with DTensors only inside the planned
+modules (`autoshard/runtime/local_shards.py`: the plan needs no redistribution in that code, and a forward on
+the example inputs matched SPMD mode). What still differs on the 1D side: norm weights are replicated DTensors
+(so AdamW's step on them goes through DTensor) and each planned module call converts its input and output
+between local shards and DTensors. The collectives are the same (counted below). Without example inputs, or
+for a model whose code is not shard-local, every op runs on DTensors (SPMD mode): x1.11 in this benchmark's
+run at commit 95576ab, when that was the only mode.
 
 FSDP: autoshard's `replicate` plan shards the decoder layers' parameters over dp=4 with ZeRO-3 and the ops
 outside them (embedding, final norm, `lm_head`) with ZeRO-2, torchtitan's strategy. A plan without
@@ -406,12 +409,12 @@ def md_where(results: dict) -> list[str]:
 
     return [
         f"- **1D**: the collectives autoshard issues are {'the same as' if same_comm else 'not the same as'} the "
-        f"hand version's ({fmt_comm(one['autoshard']['collectives'])} per step on rank 0), so the "
-        f"{(one['autoshard']['median_step_s'] - one['hand']['median_step_s']) * 1e3:.0f} ms more per step are "
-        f"host-side work: {one['autoshard']['dtensor_ops']} ops per step go through DTensor (sharding propagation "
-        f"and dispatch in Python) against {one['hand']['dtensor_ops']} by hand, and a step makes "
-        f"{calls(one['autoshard'])} Python function calls against {calls(one['hand'])} (DTensor's dispatch of the "
-        f"extra ops, SPMD mode's `__torch_function__` on every call of the forward, the per-module wrappers). DTensor's Python "
+        f"hand version's ({fmt_comm(one['autoshard']['collectives'])} per step on rank 0), so the difference "
+        f"of {(one['autoshard']['median_step_s'] - one['hand']['median_step_s']) * 1e3:+.0f} ms per step is "
+        f"host-side work and noise: {one['autoshard']['dtensor_ops']} ops per step go through DTensor (sharding "
+        f"propagation and dispatch in Python) against {one['hand']['dtensor_ops']} by hand, and a step makes "
+        f"{calls(one['autoshard'])} Python function calls against {calls(one['hand'])} (AdamW on the replicated "
+        f"norm weights, which are DTensors, and the conversions at each planned module call). DTensor's Python "
         f"dispatch alone (profiled `PythonSubclass` self time, one step on rank 0) took "
         f"{one['autoshard']['profile_rank0']['dtensor_dispatch'][1]:.0f} ms against "
         f"{one['hand']['profile_rank0']['dtensor_dispatch'][1]:.0f} ms.",

@@ -65,13 +65,14 @@ def main() -> None:
     for module in model.modules():  # dropout off: CPU ranks cannot run attention dropout on DTensors
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    example = (torch.zeros(2, spec.seq, dtype=torch.long),)
+    example = (torch.randint(0, spec.vocab, (2, spec.seq)),)  # random tokens: the runtime checks outputs on them
     pmodel = autoparallel(model, args.cluster, example_inputs=example, global_batch=args.global_batch,
                           plan=args.plan, space=args.space, memory_cap=args.memory_cap, loss_fn=lm_loss,
                           timeout_s=300)
     rank0 = dist.get_rank() == 0
     if rank0:
         print(plan_summary(pmodel.plan), flush=True)
+        print(f"model code runs on {pmodel.execution}", flush=True)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
     first = last = None
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ Module layout (each file says more):
     placements.py       semantic layouts on named axes -> DTensor placements (the only place)
     specs.py            plan + graph -> what to do around each leaf-module call
     tensor_parallel.py  DTensor parameters and the per-module redistribution wrapper
+    local_shards.py     whether the model's own code may run on local shards instead of DTensors
     norms.py            statistics-parallel LayerNorm / RMSNorm
     split.py            OSDP operator splitting
     data_parallel.py    FSDP2 per op (ZeRO 0 / 2 / 3) in SPMD mode

@@ -7,6 +7,8 @@ module keeps its identity, attributes and parameter FQNs. Its forward
   makes them DTensors on the plan's mesh: batch-sharded on dp, replicated on the tensor-parallel axes;
 - runs the original forward under `SPMDMode` (see dtensor_ext.py), so every op of the model works on
   DTensors with global shapes: models that reshape with explicit head counts and with -1 both work;
+  or, when the plan and a check on the example inputs allow it (`local`, local_shards.py), runs the model's
+  own code on plain local shards with DTensors only inside the planned modules, as torchtitan does;
 - returns ordinary tensors for this rank's batch slice with full feature dims (logits over the whole
   vocabulary), gathered from the tensor-parallel axes, so the loss is computed as usual.
 
@@ -67,6 +69,16 @@ class ParallelModule:
     @property
     def mesh(self) -> DeviceMesh:
         return self._autoshard.mesh
+
+    @property
+    def execution(self) -> str:
+        """How the model's own code runs between the planned modules, for logs."""
+        state = self._autoshard
+        if not state.spmd:
+            return "plain tensors (no tensor-parallel axis)"
+        if state.local:
+            return "local shards, DTensors inside the planned modules"
+        return f"DTensors throughout (SPMD mode): {state.why_not_local}"
 
     def shard_inputs(self, global_inputs) -> tuple:
         """This rank's part of a global batch: the dp slice of dim 0 of every tensor (others unchanged)."""

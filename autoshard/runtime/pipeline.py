@@ -349,7 +349,7 @@ def _make_pipelined(model: nn.Module, plan: Plan, full: DeviceMesh, state: Pipel
     cls = type(model)
     if not issubclass(cls, PipelinedModule):
         model.__class__ = type(f"AutoShard{cls.__name__}", (PipelinedModule, cls), {})
-    model._autoshard = RuntimeState(plan=plan, mesh=full)
+    model._autoshard = RuntimeState(plan=plan, mesh=full, why_not_local="pipeline stages are not checked on shards")
     model._autoshard_pipeline = state
     log.info("pipelined %s: chunks %s of %d on pp rank %d, schedule %s, %d micro-batches", plan.model,
              [c.index for c in state.chunks], len(plan.pipeline.stage_layers) or 1, full.get_local_rank("pp"),

@@ -12,6 +12,11 @@ places are replicated. Each planned leaf-module call is wrapped by a `ModuleRunt
    sharded input for backward (`save_sharded_input`: sequence parallelism, Optimus 2D), so the gathered
    input and weight are freed and gathered again in backward,
 4. redistributes the output to the layout its consumers want (see `specs.py`).
+
+When the model's own code runs on local shards (local_shards.py), the call also turns its activation inputs
+into DTensors (placements recorded by the producing module on its output's shard, or the plan's layout) and
+its output back into a local shard, and a module replicated on every tensor-parallel axis skips DTensor
+altogether.
 """
 
 from __future__ import annotations

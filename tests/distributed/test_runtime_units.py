@@ -93,3 +93,39 @@ def test_split_linear_equals_the_linear_and_keeps_its_state_dict_keys():
         fresh = SplitLinear(type(layer)(8, 6) if isinstance(layer, nn.Linear) else Conv1D(6, 8), 4)
         fresh.load_state_dict(layer.state_dict())
         torch.testing.assert_close(fresh(x), layer(x), atol=1e-6, rtol=0)
+
+
+def _plan_and_specs(name: str, family: str, **degrees):
+    from autoshard.capture import capture
+
+    x, _ = example_batch(name, 2)
+    graph = capture(build(name), (x,))
+    plan = make_plan(graph, MeshSpec.of(**degrees), family, global_batch=4)
+    return plan, module_specs(plan, None, build(name))
+
+
+def test_megatron_plans_need_no_redistribution_in_the_models_own_code():
+    from autoshard.runtime.local_shards import plan_blocks_local_shards
+
+    assert plan_blocks_local_shards(*_plan_and_specs("llama", "megatron", tp=2)) is None
+    assert plan_blocks_local_shards(*_plan_and_specs("llama", "2d", dp=2, tp_r=2, tp_c=2)) is None
+
+
+def test_code_adding_a_whole_input_to_a_sharded_output_keeps_the_model_on_dtensors():
+    from autoshard.runtime.local_shards import plan_blocks_local_shards
+
+    reason = plan_blocks_local_shards(*_plan_and_specs("mlp", "3d", tp_x=2, tp_y=2, tp_z=2))
+    assert reason is not None and "blocks.0" in reason and "input:" in reason
+
+
+def test_code_reading_partial_sums_keeps_the_model_on_dtensors():
+    from dataclasses import replace
+
+    from autoshard.runtime.local_shards import plan_blocks_local_shards
+
+    plan, specs = _plan_and_specs("llama", "megatron", tp=2)
+    add = next(p for p in plan.ops if p.op == "model.layers.0.add")
+    partial = layout(tp=PARTIAL)
+    bad = replace(add, strategy=replace(add.strategy, inputs=(partial, partial), output=partial))
+    plan = replace(plan, ops=tuple(bad if p.op == add.op else p for p in plan.ops))
+    assert "partial" in plan_blocks_local_shards(plan, specs)
