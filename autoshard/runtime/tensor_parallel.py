@@ -195,6 +195,8 @@ class ModuleRuntime:
         if self.replicated and all(_replicated_shard(flat[i], self.dp_dims) for i in acts):
             return self._call_replicated(flat, tree)
         for k, i in enumerate(acts):
+            if isinstance(flat[i], DTensor):
+                continue  # handed over as a DTensor by the model (another module's parameter): as it is
             layout = self.spec.arriving[k] if k < len(self.spec.arriving) else None
             partial = k < len(self.input_partial) and self.input_partial[k]
             flat[i] = from_local_shard(flat[i], self.mesh, layout, self.state.local_batch, self.dp_dims,
@@ -301,7 +303,9 @@ class _ToLocal(torch.autograd.Function):
 
 def _replicated_shard(x: torch.Tensor, dp_dims) -> bool:
     """A local tensor that is whole on the tensor-parallel axes, with replicated gradients (no tag: made by
-    the model's code, replicated by the plan's check in apply.py)."""
+    the model's code, whose layouts `local_shards.plan_blocks_local_shards` checked against the plan)."""
+    if isinstance(x, DTensor):
+        return False
     tag = getattr(x, _TAG, None)
     if tag is None:
         return True
