@@ -28,6 +28,7 @@ and v is all-reduced once, as in SPMD mode.
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 import torch
@@ -35,12 +36,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autoshard.planner.layouts import PARTIAL, Layout
+from autoshard.planner.layouts import BATCH, PARTIAL, Layout
 from autoshard.planner.plan import Plan
 from autoshard.runtime.parallel_module import RuntimeState
 from autoshard.runtime.specs import ModuleSpec, producers_of
 
-__all__ = ["choose_local_shards", "plan_blocks_local_shards"]
+__all__ = ["choose_local_shards", "plan_blocks_local_shards", "uneven_example"]
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def _sent(producer, specs: dict[str, ModuleSpec]) -> Layout:
 def choose_local_shards(model: nn.Module, state: RuntimeState, specs: dict[str, ModuleSpec], example_inputs: tuple) -> bool:
     """Check both conditions (module docstring) on every rank and set `state.local`; returns it. Call on every
     rank of the plan's mesh, before FSDP (the check runs two forwards on the parameters as distributed)."""
-    reason = plan_blocks_local_shards(state.plan, specs)
+    reason = plan_blocks_local_shards(state.plan, specs) or uneven_example(state.plan, example_inputs)
     if reason is None:
         reason = _outputs_differ(model, state, example_inputs)
     agreed = torch.tensor([0 if reason else 1], device=state.mesh.device_type)
@@ -107,6 +108,18 @@ def choose_local_shards(model: nn.Module, state: RuntimeState, specs: dict[str, 
     else:
         log.info("the model's own code runs on DTensors (SPMD mode): %s", state.why_not_local)
     return state.local
+
+
+def uneven_example(plan: Plan, example_inputs: tuple) -> str | None:
+    """Why the example inputs cannot be checked: a batch the plan's tensor-parallel batch shards do not divide
+    (an uneven shard is not what training runs, and not every rank would get rows)."""
+    cut = max((math.prod(plan.mesh.degree(a) for a, pl in lay.items if pl == BATCH and a != "dp")
+               for p in plan.ops for lay in (*p.strategy.inputs, p.strategy.output)), default=1)
+    first = next((x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor) and x.dim()), None)
+    if first is not None and first.shape[0] % cut:
+        return (f"the example inputs' batch of {first.shape[0]} does not split over the {cut} ranks the plan "
+                f"shards the batch on; pass a multiple of {cut} to check")
+    return None
 
 
 def _outputs_differ(model: nn.Module, state: RuntimeState, example_inputs: tuple) -> str | None:
