@@ -17,6 +17,10 @@ it would compute on the whole tensor, e.g. a reshape with `-1` where the head co
    same outputs as in SPMD mode, on every rank. A reshape with an explicit head count either fails on a shard
    or gives other values here (`view(B, S, heads, -1)` shrinks the head dim instead of the heads).
 
+Nor with dropout: on local shards every rank would draw the same masks for different heads or samples (the
+check runs in eval mode, where dropout is off); DTensor's RNG tracker draws them per shard. An example batch
+the plan's tensor-parallel batch shards do not divide is not checked either.
+
 On local shards a planned module call (tensor_parallel.py, `ModuleRuntime._call_local`) turns its activation
 inputs into DTensors with the placements their producer recorded (or the plan's layout), and its output back
 into a local shard. Modules replicated on every tensor-parallel axis (norms in Megatron-style 1D) compute on
@@ -41,7 +45,7 @@ from autoshard.planner.plan import Plan
 from autoshard.runtime.parallel_module import RuntimeState
 from autoshard.runtime.specs import ModuleSpec, producers_of
 
-__all__ = ["choose_local_shards", "plan_blocks_local_shards", "uneven_example"]
+__all__ = ["choose_local_shards", "plan_blocks_local_shards", "uneven_example", "dropout_in"]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,8 @@ def _sent(producer, specs: dict[str, ModuleSpec]) -> Layout:
 def choose_local_shards(model: nn.Module, state: RuntimeState, specs: dict[str, ModuleSpec], example_inputs: tuple) -> bool:
     """Check both conditions (module docstring) on every rank and set `state.local`; returns it. Call on every
     rank of the plan's mesh, before FSDP (the check runs two forwards on the parameters as distributed)."""
-    reason = plan_blocks_local_shards(state.plan, specs) or uneven_example(state.plan, example_inputs)
+    reason = (plan_blocks_local_shards(state.plan, specs) or uneven_example(state.plan, example_inputs)
+              or dropout_in(model))
     if reason is None:
         reason = _outputs_differ(model, state, example_inputs)
     agreed = torch.tensor([0 if reason else 1], device=state.mesh.device_type)
@@ -108,6 +113,25 @@ def choose_local_shards(model: nn.Module, state: RuntimeState, specs: dict[str, 
     else:
         log.info("the model's own code runs on DTensors (SPMD mode): %s", state.why_not_local)
     return state.local
+
+
+# Hugging Face config fields that turn on dropout the model applies in its own code (attention probabilities)
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout")
+
+
+def dropout_in(model: nn.Module) -> str | None:
+    """Why random masks keep the model on DTensors: on local shards every rank draws from the same generator,
+    so ranks holding different heads (or different samples) would draw the same masks. DTensor's RNG tracker
+    gives each shard its own."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return f"dropout p={m.p} in {name or 'the model'} (set it to 0, or accept DTensors throughout)"
+    config = getattr(model, "config", None)
+    for field in _DROPOUT_FIELDS:
+        p = getattr(config, field, 0.0)
+        if isinstance(p, (int, float)) and p > 0:
+            return f"dropout {field}={p} in the model's config (set it to 0, or accept DTensors throughout)"
+    return None
 
 
 def uneven_example(plan: Plan, example_inputs: tuple) -> str | None:

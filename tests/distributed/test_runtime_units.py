@@ -140,3 +140,14 @@ def test_example_inputs_the_plans_batch_shards_do_not_divide_are_not_checked():
     assert "multiple of 2" in uneven_example(plan, (ids[:3],))
     megatron, _ = _plan_and_specs("llama", "megatron", tp=2)  # the batch is whole on tp
     assert uneven_example(megatron, (ids[:1],)) is None
+
+
+def test_models_with_dropout_keep_their_code_on_dtensors():
+    from autoshard.runtime.local_shards import dropout_in
+
+    assert dropout_in(build("llama")) is None  # the test models have dropout off
+    model = build("llama")
+    model.config.attention_dropout = 0.1  # applied by the attention code itself, not a module
+    assert "attention_dropout=0.1" in dropout_in(model)
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2))
+    assert "p=0.2 in 1" in dropout_in(mlp)
