@@ -46,7 +46,8 @@ def _outputs_and_names(case: dict) -> dict:
             "local_batch": lx.shape[0], "dtensor_params": all(isinstance(p, DTensor) for p in pmodel.parameters()),
             "state_dict_keys_kept": list(pmodel.state_dict()) == keys,
             "param_names_kept": [n for n, _ in pmodel.named_parameters()] == names,
-            "split_names": [n for n, _ in pmodel.named_parameters() if ".slices." in n]}
+            "split_names": [n for n, _ in pmodel.named_parameters() if ".slices." in n],
+            "execution": pmodel.execution}
 
 
 def _comm(case: dict) -> dict:

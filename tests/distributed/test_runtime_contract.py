@@ -76,6 +76,15 @@ def test_outputs_are_plain_local_tensors_over_the_full_vocabulary(case_id):
 
 
 @pytest.mark.timeout(400)
+def test_the_module_says_where_the_models_code_runs_and_why():
+    # GPT-2 splits its fused q/k/v output by the full hidden size: not on a shard, so on DTensors
+    for r in _results()["outputs-1d"]:
+        assert r["execution"].startswith("DTensors throughout (SPMD mode): its forward fails on local shards")
+    for r in _results()["outputs-split"]:
+        assert r["execution"] == "plain tensors (no tensor-parallel axis)"
+
+
+@pytest.mark.timeout(400)
 def test_parameter_names_are_kept_except_under_operator_splitting():
     assert all(r["param_names_kept"] and not r["split_names"] for r in _results()["outputs-1d"])
     split = _results()["outputs-split"][0]["split_names"]
