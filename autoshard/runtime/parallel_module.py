@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from autoshard.errors import ConfigurationError
 from autoshard.planner.plan import Plan
 from autoshard.runtime.dtensor_ext import SPMDMode
+from autoshard.runtime.tensor_parallel import from_local_shard
 
 __all__ = ["ParallelModule", "RuntimeState", "make_parallel"]
 
@@ -166,8 +167,6 @@ def _to_local(y, state: RuntimeState):
 def _local_output(y, state: RuntimeState):
     """A model output in local mode: a module's shard goes the way of `_to_local`; a tensor the model's own code
     made is this rank's already (its 1/dp gradient scale applied)."""
-    from autoshard.runtime.tensor_parallel import from_local_shard
-
     if not isinstance(y, torch.Tensor):
         return y
     dp_dims = tuple(n == "dp" for n in state.mesh.mesh_dim_names)

@@ -53,12 +53,14 @@ def activation_dim(placement: str, shape: Sequence[int], *, is_index: bool = Fal
 
 
 def activation_placements(layout: Layout, mesh_names: Sequence[str], tensor: torch.Tensor, *,
-                          fused: int = 1) -> tuple[Placement, ...]:
+                          fused: int = 1, batch: bool | None = None) -> tuple[Placement, ...]:
     """Placements of activation `tensor` (global shape) laid out as `layout` on a mesh with `mesh_names`.
 
     `fused` > 1 marks the output of a fused projection (GPT-2's c_attn: q, k and v side by side in the
     feature dim): `S(feat)` then shards each of the `fused` parts, so every rank holds [q_r, k_r, v_r]
     (`_StridedShard`, Megatron-LM's layout of a fused QKV weight) and splitting it costs nothing.
+    `batch`: whether dim 0 is a batch dim, for a local shard (whose size 1 there may be a batch slice); by
+    default it is unless its size is 1 (a broadcast dim of a global shape).
     """
     out: list[Placement] = []
     is_index = not (tensor.is_floating_point() or tensor.is_complex())
@@ -69,7 +71,10 @@ def activation_placements(layout: Layout, mesh_names: Sequence[str], tensor: tor
         elif pl == PARTIAL:
             out.append(Partial())
         else:
-            dim = activation_dim(pl, tensor.shape, is_index=is_index)
+            if pl == BATCH and batch is not None:
+                dim = 0 if batch and tensor.dim() > 0 else None
+            else:
+                dim = activation_dim(pl, tensor.shape, is_index=is_index)
             if dim is None:
                 out.append(Replicate())
             elif pl == FEAT and fused > 1:

@@ -25,16 +25,17 @@ import functools
 import math
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import PlanFileError
-from autoshard.planner.layouts import BATCH, PARTIAL, REPLICATE, Layout
+from autoshard.planner.layouts import BATCH, Layout
 from autoshard.runtime.dtensor_ext import (
     SPMDMode,
     flatten_call,
@@ -43,8 +44,11 @@ from autoshard.runtime.dtensor_ext import (
     unflatten_call,
 )
 from autoshard.runtime.embedding import vocab_parallel_lookup
-from autoshard.runtime.placements import activation_dim, activation_placements, param_placements
+from autoshard.runtime.placements import activation_placements, param_placements
 from autoshard.runtime.specs import ModuleSpec, param_owners
+
+if TYPE_CHECKING:  # parallel_module imports this module
+    from autoshard.runtime.parallel_module import RuntimeState
 
 __all__ = ["distribute_parameters", "ModuleRuntime", "install_module_runtimes", "redistribute_activation",
            "param_layouts"]
@@ -130,7 +134,8 @@ def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]):
 class ModuleRuntime:
     """The forward of one planned module call (installed as the module's `forward`)."""
 
-    def __init__(self, module: nn.Module, spec: ModuleSpec, mesh: DeviceMesh, state=None) -> None:
+    def __init__(self, module: nn.Module, spec: ModuleSpec, mesh: DeviceMesh,
+                 state: RuntimeState | None = None) -> None:
         self.module, self.spec, self.mesh = module, spec, mesh
         self.state = state  # the model's RuntimeState; its `local` flag selects local shards between modules
         self.names = mesh.mesh_dim_names
@@ -235,7 +240,7 @@ def _replicated_on_tp(spec: ModuleSpec) -> bool:
 
 
 def install_module_runtimes(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh,
-                            state=None) -> dict[str, ModuleRuntime]:
+                            state: RuntimeState | None = None) -> dict[str, ModuleRuntime]:
     runtimes = {}
     for path, spec in specs.items():
         module = model.get_submodule(path)
@@ -332,25 +337,17 @@ def from_local_shard(x: torch.Tensor, mesh: DeviceMesh, layout: Layout | None, l
 
 def _untagged_placements(x: torch.Tensor, mesh: DeviceMesh, layout: Layout | None, local_batch: int | None,
                          dp_dims) -> list[Placement]:
-    """Placements of a local shard laid out as `layout` (None: replicated on the tensor-parallel axes).
+    """Placements of a local shard laid out as `layout` (None: replicated on the tensor-parallel axes; on dp,
+    every local tensor is this rank's batch slice or a broadcast).
 
     Its dim 0 is a batch shard when it is this rank's batch (`local_batch`, the model input's) cut by the
     tensor-parallel axes the layout shards the batch on; any other size there is a broadcast dim (a position
     embedding), replicated, as `activation_placements` decides from a global shape."""
     names = mesh.mesh_dim_names
-    pls = [REPLICATE if layout is None else layout.get(a) for a in names]
-    cuts = math.prod(mesh.size(i) for i, pl in enumerate(pls) if pl == BATCH and not dp_dims[i])
+    layout = layout or Layout()
+    for name, dp in zip(names, dp_dims, strict=True):
+        if dp:
+            layout = layout.with_(name, BATCH)
+    cuts = math.prod(mesh.size(i) for i, a in enumerate(names) if layout.get(a) == BATCH and not dp_dims[i])
     is_batch = x.dim() > 0 and local_batch is not None and x.shape[0] * cuts == local_batch
-    is_index = not (x.is_floating_point() or x.is_complex())
-    out: list[Placement] = []
-    for pl, dp in zip(pls, dp_dims, strict=True):
-        if dp or pl == BATCH:
-            out.append(Shard(0) if is_batch else Replicate())
-        elif pl == PARTIAL:
-            out.append(Partial())
-        elif pl == REPLICATE:
-            out.append(Replicate())
-        else:
-            dim = activation_dim(pl, x.shape, is_index=is_index)
-            out.append(Replicate() if dim is None else Shard(dim))
-    return out
+    return list(activation_placements(layout, names, x, batch=is_batch))
