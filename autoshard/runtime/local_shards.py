@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 
 import torch
 import torch.distributed as dist
@@ -43,7 +42,7 @@ from torch.utils import _pytree as pytree
 from autoshard.planner.layouts import BATCH, PARTIAL, Layout
 from autoshard.planner.plan import Plan
 from autoshard.runtime.parallel_module import RuntimeState
-from autoshard.runtime.specs import ModuleSpec, producers_of
+from autoshard.runtime.specs import ModuleSpec, is_call_of, producers_of, sent_layout
 
 __all__ = ["choose_local_shards", "plan_blocks_local_shards", "uneven_example", "dropout_in"]
 
@@ -57,17 +56,13 @@ def _tp(layout: Layout) -> tuple:
     return tuple((a, p) for a, p in layout.items if a != "dp")
 
 
-def _is_call_of(op: str, module: str) -> bool:
-    return op == module or re.fullmatch(re.escape(module) + r"_\d+", op) is not None
-
-
 def plan_blocks_local_shards(plan: Plan, specs: dict[str, ModuleSpec]) -> str | None:
     """Why the plan needs DTensors in the model's own code (condition 1 of the module docstring), None if
     it does not."""
     by_op = {p.op: p for p in plan.ops}
     producers = producers_of(plan)
     for p in plan.ops:
-        if p.module in specs and _is_call_of(p.op, p.module):
+        if p.module in specs and is_call_of(p.op, p.module):
             continue  # a planned module call
         out = _tp(p.strategy.output)
         if any(pl == PARTIAL for _, pl in out):
@@ -78,22 +73,15 @@ def plan_blocks_local_shards(plan: Plan, specs: dict[str, ModuleSpec]) -> str | 
             elif src not in by_op or by_op[src].kind == "index":
                 continue  # a constant the model makes (mask, positions): the check on example inputs sees it
             else:
-                sent = _sent(by_op[src], specs)
+                sent = sent_layout(by_op[src], specs)
             if _tp(lay) != out:
                 return f"op {p.op} computes on {lay} into {p.strategy.output}"
             if _tp(sent) != _tp(lay):
                 return f"op {p.op} wants {lay} but {src} hands over {sent}"
     for spec in specs.values():
-        if spec.module_consumers is None and any(pl == PARTIAL for _, pl in _tp(_sent(by_op[spec.op], specs))):
+        if spec.module_consumers is None and any(pl == PARTIAL for _, pl in _tp(sent_layout(by_op[spec.op], specs))):
             return f"the model's code consumes the partial sums of {spec.op}"
     return None
-
-
-def _sent(producer, specs: dict[str, ModuleSpec]) -> Layout:
-    spec = specs.get(producer.module)
-    if spec is not None and spec.op == producer.op and spec.output is not None:
-        return spec.output
-    return producer.strategy.output
 
 
 def choose_local_shards(model: nn.Module, state: RuntimeState, specs: dict[str, ModuleSpec], example_inputs: tuple) -> bool:

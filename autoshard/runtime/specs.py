@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -23,7 +23,7 @@ from autoshard.errors import PlanFileError
 from autoshard.planner.layouts import FEAT, Layout
 from autoshard.planner.plan import OpPlan, ParamPlacement, Plan
 
-__all__ = ["ModuleSpec", "module_specs", "param_owners", "producers_of", "check_fingerprint"]
+__all__ = ["ModuleSpec", "module_specs", "sent_layout", "is_call_of", "param_owners", "producers_of", "check_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,23 @@ class ModuleSpec:
     module_consumers: tuple[str, ...] | None = None
 
 
+def is_call_of(op: str, module: str) -> bool:
+    """Op `op` is named after a call of `module` (`path`, or `path_N` for a later call)."""
+    return op == module or re.fullmatch(re.escape(module) + r"_\d+", op) is not None
+
+
 def _is_module_call(op_plan: OpPlan, leaves: set[str]) -> bool:
-    """The op is a whole call of a leaf module: named after it (`path`, or `path_N` for a later call)."""
-    if op_plan.module not in leaves:
-        return False
-    return op_plan.op == op_plan.module or re.fullmatch(re.escape(op_plan.module) + r"_\d+", op_plan.op) is not None
+    """The op is a whole call of a leaf module: named after it."""
+    return op_plan.module in leaves and is_call_of(op_plan.op, op_plan.module)
+
+
+def sent_layout(op_plan: OpPlan, specs: dict[str, ModuleSpec]) -> Layout:
+    """Layout op `op_plan`'s output is handed over in: where the runtime sends a planned module call's output
+    (every call of a module runs its first call's spec), anything else as the op produces it."""
+    spec = specs.get(op_plan.module)
+    if spec is not None and spec.output is not None and is_call_of(op_plan.op, op_plan.module):
+        return spec.output
+    return op_plan.strategy.output
 
 
 def param_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
@@ -168,17 +180,6 @@ def module_specs(plan: Plan, graph: OpGraph | None, model: nn.Module) -> dict[st
     module_ops = {p.op: p for p in plan.ops if _is_module_call(p, leaves)}
     consumers = _consumers(producers)
     specs: dict[str, ModuleSpec] = {}
-
-    def sent(src: str) -> Layout | None:
-        """Layout op `src`'s output is handed over in."""
-        if src not in by_op:
-            return None
-        if src in module_ops:
-            out = _output_layout(producers, by_op, consumers.get(src, []), src, module_ops)
-            if out is not None:
-                return out
-        return by_op[src].strategy.output
-
     for name, op_plan in module_ops.items():
         if op_plan.module in specs:
             if op_plan.strategy != by_op[specs[op_plan.module].op].strategy:
@@ -193,12 +194,14 @@ def module_specs(plan: Plan, graph: OpGraph | None, model: nn.Module) -> dict[st
             output=_output_layout(producers, by_op, users, name, module_ops),
             params=_local_params(model, module, op_plan), zero=st.zero, split=st.split,
             regather=st.save_sharded_input, fused=_fused_parts(producers, by_op, op_plan, users),
-            arriving=tuple(sent(src) for src in producers.get(name, ())),
             arriving_from=tuple(module_ops[src].module if src in module_ops else None
                                 for src in producers.get(name, ())),
             module_consumers=_module_consumers(users, module_ops))
     _warn_unhooked(plan, module_ops)
-    return specs
+    # where each input arrives from (needs every spec's output); None: a model input or unplanned constant
+    return {path: replace(spec, arriving=tuple(sent_layout(by_op[src], specs) if src in by_op else None
+                                               for src in producers.get(spec.op, ())))
+            for path, spec in specs.items()}
 
 
 def _module_consumers(users: list[str], module_ops: dict[str, OpPlan]) -> tuple[str, ...] | None:
