@@ -27,26 +27,25 @@ def _explicit_attn(model) -> bool:
 def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None = None, micro_batch: int = 1,
                     global_batch: int, seq: int | None = None, recompute: str = "none",
                     sequence_parallel: bool = False, virtual_stages: int = 1, schedule: str | None = None,
-                    zero: int = 0, attention: str = "auto", check_memory: bool = True):
+                    zero: int = 0, attention: str = "auto", fused_kernels: bool = False,
+                    tp_comm_overlap: bool = False, check_memory: bool = True):
     """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
 
-    `attention` for zoo and spec models: "eager" (materialized scores and a fused softmax: Megatron-LM's and
-    DeepSpeed's kernel unless flash attention is switched on), "flash" (causal FlashAttention-2), "sdpa"
-    (Hugging Face's masked SDPA), or "auto": Megatron's materialized attention when it fits in memory, flash
-    attention when it does not (a configuration whose scores cannot fit can only have run with flash).
+    `attention` for zoo and spec models: "flash" (causal FlashAttention-2, what PyTorch SDPA, Megatron-Core,
+    torchtitan and llm-foundry run), "eager" (materialized scores and a softmax kernel: Megatron-LM's fused
+    softmax before flash attention, Hugging Face "eager"), "sdpa" (Hugging Face's masked SDPA), or "auto":
+    flash, unless the model spec names its attention (`attn=`). `fused_kernels`: each pointwise region runs as
+    one kernel (Megatron-LM's fused kernels, torch.compile) instead of one kernel per ATen op (eager PyTorch).
+    `tp_comm_overlap`: tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap).
     """
     if attention not in ATTENTION_CHOICES:
         raise ConfigurationError(f"--attention {attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
               recompute=recompute, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
-              schedule=schedule, zero=zero)
-    if attention == "auto" and _zoo_or_spec(model) and not _explicit_attn(model):
-        try:
-            return _estimate(model, cluster, attn="eager", check_memory=True, **kw)
-        except _DoesNotFit:
-            attention = "flash"
-    return _estimate(model, cluster, attn=None if attention == "auto" else attention, check_memory=check_memory,
-                     **kw)
+              schedule=schedule, zero=zero, fused_kernels=fused_kernels, tp_comm_overlap=tp_comm_overlap)
+    if attention == "auto":
+        attention = "flash" if _zoo_or_spec(model) and not _explicit_attn(model) else None
+    return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
 
 def _zoo_or_spec(model) -> bool:
@@ -56,24 +55,21 @@ def _zoo_or_spec(model) -> bool:
     return ":" not in model or head in ("gpt", "llama", "bert", "vit", "mlp")
 
 
-class _DoesNotFit(ConfigurationError):
-    """The configuration exceeds device memory."""
-
-
 def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
-              virtual_stages, schedule, zero, attn, check_memory):
+              virtual_stages, schedule, zero, attn, check_memory, fused_kernels, tp_comm_overlap):
     cluster = resolve_cluster(cluster)
     if dp is None:
         if cluster.num_gpus % (tp * pp):
             raise ConfigurationError(f"tp x pp = {tp * pp} does not divide the {cluster.num_gpus} GPUs of {cluster}")
         dp = cluster.num_gpus // (tp * pp)
     cfg = HandConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
-                     sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero)
+                     sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero,
+                     fused_kernels=fused_kernels, tp_comm_overlap=tp_comm_overlap)
     graph = capture_model(load_model(model, seq=seq, attn=attn))
     plan, _ = estimate(graph, cluster, cfg)
     need = plan.prediction.memory.total_bytes
     if check_memory and need > cluster.device_memory_bytes:
-        raise _DoesNotFit(
+        raise ConfigurationError(
             f"this configuration needs {need / 2**30:.1f} GiB per GPU but {cluster.gpu.name} has "
             f"{cluster.device_memory_bytes / 2**30:.0f} GiB; raise tp/pp, use --recompute full, "
             "a smaller --micro-batch or --zero")

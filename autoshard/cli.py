@@ -101,7 +101,8 @@ def _cmd_estimate(args) -> int:
         args.model, args.cluster, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
         global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
-        zero=args.zero, attention=args.attention)
+        zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels,
+        tp_comm_overlap=args.tp_comm_overlap)
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
             "pipeline": {"degree": plan.pipeline.degree, "schedule": plan.pipeline.schedule,
@@ -116,6 +117,11 @@ def _cmd_estimate(args) -> int:
     if len(set(per_chunk)) > 1:
         head.append(f"layers per chunk {','.join(map(str, per_chunk))} (the layers do not divide evenly: "
                     "balanced by cost, embeddings and head included)")
+    if args.output:
+        plan.save(args.output)
+        data["plan_file"] = args.output
+        head.append(f"plan written to  {args.output} (run it: torchrun --nproc-per-node {plan.mesh.size} "
+                    f"-m autoshard measure {args.output})")
     _emit(args, data, "\n".join(head + _prediction_text(pred, cluster)))
     return 0
 
@@ -230,6 +236,12 @@ def _cmd_hardware(args) -> int:
     return 0
 
 
+def _cmd_measure(args) -> int:
+    from autoshard.cli_runtime import measure_command
+
+    return measure_command(args, _emit)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit code 2), like every other user error."""
 
@@ -269,8 +281,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--schedule", choices=("1f1b", "interleaved-1f1b", "gpipe", "looped-bfs"), default=None)
     e.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
     e.add_argument("--attention", choices=("auto", "eager", "flash", "sdpa"), default="auto",
-                   help="attention kernel: eager (Megatron's fused softmax), flash, sdpa; auto = eager when it "
-                        "fits in memory, else flash")
+                   help="attention kernel: flash (FlashAttention-2, as PyTorch SDPA, Megatron-Core, torchtitan), "
+                        "eager (materialized scores: Megatron-LM before flash attention), sdpa (HF masked SDPA); "
+                        "auto = flash unless the model spec names one (attn=)")
+    e.add_argument("--fused-kernels", action="store_true",
+                   help="price each pointwise region as one fused kernel (Megatron-LM's fused kernels, "
+                        "torch.compile); default: one kernel per ATen op, as eager PyTorch runs it")
+    e.add_argument("--tp-comm-overlap", action="store_true",
+                   help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap; "
+                        "autoshard's runtime does not, so plans never assume it)")
+    e.add_argument("-o", "--output", default=None, help="write the configuration as a plan file (for measure)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_estimate)
 
@@ -292,6 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--plot", default=None, help="write a picture of the plan (PNG)")
     x.add_argument("--json", action="store_true")
     x.set_defaults(func=_cmd_explain)
+
+    ms = sub.add_parser("measure", help="under torchrun: run a plan file on this job's ranks, time its steps, "
+                                        "compare with the prediction")
+    ms.add_argument("plan", help="a plan file (`autoshard plan -o`, `autoshard estimate -o`)")
+    ms.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    ms.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    ms.add_argument("--cluster", default=None, help="cluster of this job (default: the plan's)")
+    ms.add_argument("--json", action="store_true")
+    ms.set_defaults(func=_cmd_measure)
 
     h = sub.add_parser("hardware", help="list the GPU and interconnect profiles")
     h.add_argument("--json", action="store_true")

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from autoshard.capture.blocks import find_blocks
@@ -100,7 +101,10 @@ def _with_attention_kernel(graph: OpGraph, kernel: str) -> OpGraph:
 @functools.lru_cache(maxsize=16)
 def _capture_spec(spec: ModelSpec) -> OpGraph | None:
     t0 = time.perf_counter()
-    small = LoadedModel(name=spec.name, family=spec.family, module=build_module(spec, layers=2), spec=spec)
+    # traced in bf16, the dtype GPUs train in: upcasts inside the model (RMSNorm statistics, softmax) show as
+    # float32 kernels (`Op.kernel_io_wide_numel`); sizes and FLOPs do not depend on it
+    module = build_module(spec, layers=2, dtype=torch.bfloat16)
+    small = LoadedModel(name=spec.name, family=spec.family, module=module, spec=spec)
     graph = capture(small.module, small.example_inputs(2), name=spec.name)
     if len(graph.blocks) != 1 or graph.blocks[0].count != 2:
         return None  # blocks not recognised: the caller traces the whole model

@@ -69,6 +69,9 @@ class _Group:
     node_kinds: set = field(default_factory=set)
     saves_internal: bool = False
     variant: str = ""
+    kernels: int = 0  # ATen kernels (non-view nodes) eager PyTorch launches for this group
+    kernel_io_numel: int = 0  # per-sample elements those kernels read and write (batch-dim tensors)
+    kernel_io_wide_numel: int = 0  # of which in float32 while the model computes in 16 bits (upcasts)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class _Coarsener:
         self.groups: list[_Group] = []
         self.outputs: list[int] = []
         self.param_shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
 
     # -- values -----------------------------------------------------------------------------------
     def meta(self, node: fx.Node) -> TensorMeta | None:
@@ -240,6 +244,9 @@ class _Coarsener:
         target.saved.extend(g.saved)
         target.saves_internal |= g.saves_internal
         target.node_kinds |= g.node_kinds
+        target.kernels += g.kernels
+        target.kernel_io_numel += g.kernel_io_numel
+        target.kernel_io_wide_numel += g.kernel_io_wide_numel
         for a in g.inputs:
             if a.gid != target.gid and all(a.node != x.node for x in target.inputs):
                 target.inputs.append(a)
@@ -267,8 +274,29 @@ class _Coarsener:
             if isinstance(v, _Param) and v.fqn not in g.params:
                 g.params.append(v.fqn)
         self._account(g, node, name, kind, meta)
+        g.kernels += 1
+        for a in (*node.all_input_nodes, node):
+            n = self._batch_numel(a)
+            g.kernel_io_numel += n
+            if n and self._wide(a):
+                g.kernel_io_wide_numel += n
         g.output = _Act(g.gid, meta, True, node.name)
         self.values[node.name] = g.output
+
+    def _batch_numel(self, node: fx.Node) -> int:
+        """Per-sample elements of a value that grows with the batch (0 for parameters and constants)."""
+        shape, batch_dims = self.eg.shapes.get(node.name, ((), ()))
+        if not batch_dims:
+            return 0
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+
+    def _wide(self, node: fx.Node) -> bool:
+        """A float32 value in a model whose parameters are 16-bit: an upcast (norm statistics, softmax)."""
+        val = node.meta.get("val")
+        return self.low_precision and isinstance(val, torch.Tensor) and val.dtype == torch.float32
 
     def _in_shapes(self, node: fx.Node) -> list[tuple[int, ...]]:
         shapes = []

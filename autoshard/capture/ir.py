@@ -105,6 +105,9 @@ class Op:
     aten: tuple[str, ...] = ()  # the ATen targets coarsened into this op
     gemm: tuple[int, int, int] | None = None  # (M per sample, N, K) of the main GEMM, for efficiency
     variant: str = ""  # kernel choice that changes speed: attention "flash" (causal/no mask) or "masked"
+    kernels: int = 0  # ATen kernels eager PyTorch launches for it in forward (views excluded)
+    kernel_io_numel: int = 0  # per sample: elements those kernels read and write (batch-dim tensors only)
+    kernel_io_wide_numel: int = 0  # of which float32 in a 16-bit model (upcasts): 4 bytes at any precision
 
     @property
     def param_numel(self) -> int:

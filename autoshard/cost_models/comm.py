@@ -1,27 +1,40 @@
-"""Collective communication time: an alpha-beta model on nccl-tests bus bandwidths, hierarchical across nodes.
+"""Collective communication time: NCCL's ring model on measured bus-bandwidth curves.
 
 Sizes follow nccl-tests: `nbytes` is the full buffer (all-reduce: the buffer; all-gather: the gathered
-output; reduce-scatter: the input; all-to-all: what one rank sends in total). With bus bandwidth B measured
-for the link, one collective on n ranks takes
+output; reduce-scatter: the input; all-to-all: what one rank sends in total); bus bandwidth busbw = algbw x
+factor, factor = 2(n-1)/n (all-reduce), (n-1)/n (all-gather, reduce-scatter, all-to-all), 1 (broadcast, p2p)
+(REFERENCES.md §3).
 
-    t = steps * latency + nbytes * factor(n) / B,   factor = 2(n-1)/n (all-reduce), (n-1)/n (all-gather,
-                                                     reduce-scatter, all-to-all), 1 (broadcast, p2p)
+A ring collective on n ranks runs `steps` = 2(n-1) (all-reduce) or n-1 (all-gather, reduce-scatter) steps,
+each moving a chunk of nbytes/n per rank, so (NCCL src/graph/tuning.cc, ring latency = steps x per-hop latency)
 
-(REFERENCES.md §3). A group inside one node uses the intra-node link. A group spanning N nodes with k members
-per node runs hierarchically, as NCCL does: reduce-scatter inside the node, the collective across nodes on
-1/k of the data per GPU, all-gather inside the node. Across nodes every GPU of a node communicates at the same
-time (SPMD: all ranks issue the same collective on their own groups), so each gets 1/gpus_per_node of the
-node's network bandwidth, whether its group is strided (one member per node) or not.
+    t = steps(n) x overhead(nbytes / n) + nbytes x factor(n) / B
+
+B is the link's large-message bus bandwidth. `overhead(chunk)` is what a step costs beyond moving its bytes
+at B (launch, protocol handshakes, the pipeline filling): read off the link's measured nccl-tests curve
+(busbw by message size at `curve_ranks` ranks) as (measured time - bandwidth time) / steps at the same
+per-rank chunk, never below the link's small-message latency per hop. At n = curve_ranks this reproduces the
+measured curve exactly; a larger group at the same total size moves smaller chunks, pays more steps and so
+reaches less of B (why the message size needed for a given busbw grows with scale). A link without a curve
+uses its small-message latency per step (plain alpha-beta).
+
+Across N nodes with k group members per node, NCCL runs one flat ring over all n ranks: N - 1 (all-gather,
+reduce-scatter) or 2(N - 1) (all-reduce) of its steps cross the network and pay the network's per-step latency
+instead of NVLink's; the ring's bandwidth is the slower of the intra-node links and the node's network
+ports, which the gpus_per_node / k groups of a node (SPMD: all ranks issue the same collective on their own
+groups) share. All-reduce may use NCCL's tree instead (2 log2 N network steps), whichever is faster.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
-from autoshard.hardware_profiles.profiles import COLLECTIVES
+from autoshard.hardware_profiles.profiles import COLLECTIVES, LinkProfile
 
-__all__ = ["GroupPlacement", "group_placement", "collective_time_s", "bus_factor", "p2p_time_s"]
+__all__ = ["GroupPlacement", "group_placement", "collective_time_s", "bus_factor", "p2p_time_s", "ring_steps",
+           "step_overhead_s", "curve_busbw_gbps", "peak_busbw_gbps"]
 
 
 @dataclass(frozen=True)
@@ -65,23 +78,79 @@ def bus_factor(collective: str, n: int) -> float:
     return 1.0
 
 
-def _steps(collective: str, n: int, *, tree: bool = False) -> int:
-    """Latency-bound steps of a ring; across nodes NCCL's all-reduce switches to a tree (log steps)."""
+def ring_steps(collective: str, n: int) -> int:
+    """Steps of NCCL's ring (all-reduce: reduce-scatter then all-gather); broadcast as a pipelined chain."""
     if n <= 1:
         return 0
     if collective == "all_reduce":
-        return min(2 * (n - 1), 2 * math.ceil(math.log2(n)) + 2) if tree else 2 * (n - 1)
-    if collective in ("p2p", "broadcast"):
-        return 1 if collective == "p2p" else math.ceil(math.log2(n))
+        return 2 * (n - 1)
+    if collective == "p2p":
+        return 1
     return n - 1
 
 
-def _flat_time_s(collective: str, nbytes: float, n: int, busbw_gbps: float, latency_us: float,
-                 *, tree: bool = False) -> float:
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    steps = _steps(collective, n, tree=tree)
-    return steps * latency_us * 1e-6 + nbytes * bus_factor(collective, n) / (busbw_gbps * 1e9)
+def curve_busbw_gbps(points: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """Bus bandwidth at `nbytes`, interpolated linearly in log(size) between measured points; flat beyond
+    the largest point, proportional to size below the smallest (latency-bound: time constant)."""
+    sizes = [p[0] for p in points]
+    if nbytes >= sizes[-1]:
+        return points[-1][1]
+    if nbytes <= sizes[0]:
+        return points[0][1] * nbytes / sizes[0]
+    i = bisect.bisect_right(sizes, nbytes)
+    (s0, b0), (s1, b1) = points[i - 1], points[i]
+    w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return b0 + w * (b1 - b0)
+
+
+def step_overhead_s(link: LinkProfile, collective: str, chunk_bytes: float, ranks: int | None = None) -> float:
+    """Seconds one ring step costs beyond moving its bytes at the curve's large-message bandwidth, for a
+    per-rank chunk of `chunk_bytes` (see the module docstring), from the curve measured on the group size
+    closest to `ranks`; the link's small-message latency per hop when it has no curve."""
+    floor = link.latency_us * 1e-6
+    found = link.curve(collective, ranks)
+    if found is None:
+        return floor
+    measured, n0, points = found
+    total = chunk_bytes * n0
+    factor = bus_factor(measured, n0)
+    t = total * factor / (curve_busbw_gbps(points, total) * 1e9)
+    t_bw = total * factor / (points[-1][1] * 1e9)
+    return max(floor, (t - t_bw) / ring_steps(measured, n0))
+
+
+def peak_busbw_gbps(link: LinkProfile, collective: str, ranks: int | None = None) -> float:
+    """Large-message bus bandwidth of `collective` on groups of `ranks`: the largest size of its own measured
+    curve (NVLink SHARP all-reduce only reaches its peak on 8 GPUs, nccl #1455), else the profile's figure."""
+    found = link.curve(collective, ranks)
+    if found is not None and found[0] == collective:
+        return found[2][-1][1]
+    return link.busbw_gbps[collective]
+
+
+def _intra_s(collective: str, nbytes: float, n: int, link: LinkProfile) -> float:
+    steps = ring_steps(collective, n)
+    return steps * step_overhead_s(link, collective, nbytes / n, n) + \
+        nbytes * bus_factor(collective, n) / (peak_busbw_gbps(link, collective, n) * 1e9)
+
+
+def _across_nodes_s(collective: str, nbytes: float, group: GroupPlacement, cluster) -> float:
+    n, k, nodes = group.size, group.ranks_per_node, group.num_nodes
+    intra, inter = cluster.intra, cluster.inter
+    # the node's ports are shared by the gpus_per_node / k groups that communicate at the same time
+    net_gbps = inter.busbw_gbps[collective] * k / cluster.gpus_per_node
+    bw = min(peak_busbw_gbps(intra, collective, k), net_gbps) if k > 1 else net_gbps
+    data_s = nbytes * bus_factor(collective, n) / (bw * 1e9)
+    intra_step = step_overhead_s(intra, collective, nbytes / n, k)
+    inter_step = max(intra_step, step_overhead_s(inter, collective, nbytes / n, nodes))
+    steps = ring_steps(collective, n)
+    net_steps = (2 if collective == "all_reduce" else 1) * (nodes - 1)
+    ring = (steps - net_steps) * intra_step + net_steps * inter_step + data_s
+    if collective != "all_reduce":
+        return ring
+    # NCCL's tree: up and down a chain inside each node and a binary tree across nodes (tuning.cc)
+    tree = 2 * ((k - 1) * intra_step + math.ceil(math.log2(nodes)) * inter_step) + data_s
+    return min(ring, tree)
 
 
 def collective_time_s(collective: str, nbytes: float, group: GroupPlacement, cluster) -> float:
@@ -90,32 +159,26 @@ def collective_time_s(collective: str, nbytes: float, group: GroupPlacement, clu
     if n <= 1 or nbytes <= 0:
         bus_factor(collective, 2)  # still reject unknown collectives
         return 0.0
-    intra, inter = cluster.intra, cluster.inter
+    if collective == "p2p":
+        return p2p_time_s(nbytes, cluster, same_node=nodes == 1)
     if nodes == 1:
-        return _flat_time_s(collective, nbytes, n, intra.busbw_gbps[collective], intra.latency_us)
-    per_gpu_net = inter.busbw_gbps[collective] / cluster.gpus_per_node
-    if collective == "all_reduce":
-        local = 2 * _flat_time_s("reduce_scatter", nbytes, k, intra.busbw_gbps["reduce_scatter"], intra.latency_us)
-        return local + _flat_time_s("all_reduce", nbytes / k, nodes, per_gpu_net, inter.latency_us, tree=True)
-    if collective in ("all_gather", "reduce_scatter"):
-        local = _flat_time_s(collective, nbytes, k, intra.busbw_gbps[collective], intra.latency_us)
-        return local + _flat_time_s(collective, nbytes / k, nodes, per_gpu_net, inter.latency_us)
-    if collective == "all_to_all":
-        cross = nbytes * (n - k) / n
-        local = nbytes * (k - 1) / n
-        return ((nodes - 1) * inter.latency_us * 1e-6 + cross / (per_gpu_net * 1e9)
+        return _intra_s(collective, nbytes, n, cluster.intra)
+    if collective == "all_to_all":  # direct sends: the cross-node share over the node's ports, the rest local
+        inter, intra = cluster.inter, cluster.intra
+        per_gpu_net = inter.busbw_gbps["all_to_all"] / cluster.gpus_per_node
+        cross, local = nbytes * (n - k) / n, nbytes * (k - 1) / n
+        return ((nodes - 1) * step_overhead_s(inter, collective, nbytes / n, nodes) + cross / (per_gpu_net * 1e9)
                 + local / (intra.busbw_gbps["all_to_all"] * 1e9))
-    if collective == "broadcast":
-        return _flat_time_s("broadcast", nbytes, nodes, per_gpu_net, inter.latency_us)
-    return p2p_time_s(nbytes, cluster, same_node=False)
+    if collective == "broadcast":  # a pipelined chain through the nodes
+        bw = cluster.inter.busbw_gbps["broadcast"] * k / cluster.gpus_per_node
+        return math.ceil(math.log2(nodes)) * cluster.inter.latency_us * 1e-6 + nbytes / (bw * 1e9)
+    return _across_nodes_s(collective, nbytes, group, cluster)
 
 
 def p2p_time_s(nbytes: float, cluster, *, same_node: bool) -> float:
     """One point-to-point send of `nbytes` (pipeline activations), all GPUs of a node sending at once."""
     if nbytes <= 0:
         return 0.0
-    if same_node:
-        link = cluster.intra
-        return link.latency_us * 1e-6 + nbytes / (link.busbw_gbps["p2p"] * 1e9)
-    link = cluster.inter
-    return link.latency_us * 1e-6 + nbytes / (link.busbw_gbps["p2p"] / cluster.gpus_per_node * 1e9)
+    link = cluster.intra if same_node else cluster.inter
+    bw = link.busbw_gbps["p2p"] if same_node else link.busbw_gbps["p2p"] / cluster.gpus_per_node
+    return step_overhead_s(link, "p2p", nbytes, 2) + nbytes / (bw * 1e9)

@@ -40,9 +40,24 @@ class GPUProfile:
     # None where FlashAttention-2 does not run (before Ampere); SDPA then uses the memory-efficient kernel.
     flash_attention_efficiency: float | None = None
     memory_efficient_attention_efficiency: float = 0.3
+    # What the ranks compute on: "cuda" (NCCL) or "cpu" (gloo ranks, fp32): the runtime's device and backend.
+    device: str = "cuda"
+    # Compute runs this many times slower while a collective overlaps it (NCCL takes SMs and HBM bandwidth;
+    # on CPU ranks gloo's threads take the cores). 1.0: overlap is free.
+    overlap_slowdown: float = 1.0
+    # Measured GEMM throughput by shape, ((m, n, k, TFLOP/s), ...) on a grid: efficiency is interpolated in
+    # it (cost_models/compute.py). Empty: max_gemm_efficiency x tile and wave quantization.
+    gemm_tflops: tuple = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_networks", tuple(self.allowed_networks))  # YAML gives a list
+        object.__setattr__(self, "gemm_tflops", tuple(tuple(float(v) for v in row) for row in self.gemm_tflops))
+        if any(len(row) != 4 or min(row) <= 0 for row in self.gemm_tflops):
+            raise ValueError(f"GPU profile {self.name}: gemm_tflops rows are [m, n, k, TFLOP/s], all positive")
+        if self.overlap_slowdown < 1:
+            raise ValueError(f"GPU profile {self.name}: overlap_slowdown must be >= 1, got {self.overlap_slowdown}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"GPU profile {self.name}: device must be 'cuda' or 'cpu', got {self.device!r}")
         for name in ("peak_tflops", "fp32_tflops", "hbm_gbps", "memory_gib", "kernel_launch_us"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPU profile {self.name}: {name} must be positive")
@@ -58,8 +73,13 @@ class LinkProfile:
     GPUs of the node that communicate across nodes at the same time.
 
     `busbw_gbps[c]` is the nccl-tests bus bandwidth of collective c at large messages (busbw = algbw *
-    2(n-1)/n for all-reduce, (n-1)/n for all-gather / reduce-scatter / all-to-all, 1 for broadcast / p2p),
-    so the time of c on n ranks for S bytes is latency + S * factor(c, n) / busbw.
+    2(n-1)/n for all-reduce, (n-1)/n for all-gather / reduce-scatter / all-to-all, 1 for broadcast / p2p).
+    `latency_us` is the cost of one ring step (hop) for a small message.
+
+    `busbw_curve[c]` (optional): measured busbw by message size, as nccl-tests prints it, on groups of some
+    size: in YAML `{all_reduce: [{ranks: 8, points: [[bytes, GB/s], ...]}, ...]}` (one entry per measured
+    group size). `cost_models/comm.py` turns it into a per-step overhead by chunk size. A collective without a
+    curve of its own uses the all-reduce curve's per-step overhead (same ring, same chunks), if there is one.
     """
 
     name: str
@@ -67,6 +87,7 @@ class LinkProfile:
     busbw_gbps: dict[str, float]
     latency_us: float  # per algorithm step (one hop of a ring)
     sources: dict[str, str] = field(default_factory=dict)
+    busbw_curve: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.scope not in ("intra", "inter"):
@@ -76,6 +97,37 @@ class LinkProfile:
             raise ValueError(f"link {self.name}: busbw_gbps lacks {', '.join(missing)}")
         if any(v <= 0 for v in self.busbw_gbps.values()) or self.latency_us < 0:
             raise ValueError(f"link {self.name}: bandwidths must be positive and latency non-negative")
+        object.__setattr__(self, "busbw_curve", _curves(self.name, self.busbw_curve))
+
+    def curve(self, collective: str, ranks: int | None = None):
+        """(collective measured, its group size, ((bytes, busbw GB/s), ...)) closest to `ranks` ranks for
+        `collective`, falling back to the all-reduce curve; None without one."""
+        for measured in (collective, "all_reduce"):
+            entries = self.busbw_curve.get(measured)
+            if entries:
+                n0, points = min(entries, key=lambda e: (abs(e[0] - (ranks or e[0])), -e[0]))
+                return measured, n0, points
+        return None
+
+
+def _curves(link: str, raw: dict) -> dict:
+    """YAML curves -> {collective: ((ranks, ((bytes, gbps), ...)), ...)}, validated, points sorted by size."""
+    out = {}
+    for coll, entries in (raw or {}).items():
+        if coll not in COLLECTIVES:
+            raise ValueError(f"link {link}: busbw_curve has unknown collective {coll!r}")
+        parsed = []
+        for e in entries:
+            if isinstance(e, dict):
+                ranks, points = int(e["ranks"]), e["points"]
+            else:  # already parsed (a profile rebuilt from its JSON record)
+                ranks, points = int(e[0]), e[1]
+            pts = tuple(sorted((float(b), float(g)) for b, g in points))
+            if ranks < 2 or len(pts) < 2 or any(b <= 0 or g <= 0 for b, g in pts):
+                raise ValueError(f"link {link}: busbw_curve[{coll}] needs ranks >= 2 and >= 2 positive points")
+            parsed.append((ranks, pts))
+        out[coll] = tuple(parsed)
+    return out
 
 
 def _read(kind: str, name: str) -> dict:

@@ -15,7 +15,7 @@ from torch import nn
 
 from autoshard.errors import ModelSpecError
 from autoshard.models.small import GQAGPT, MLP
-from autoshard.models.spec import FAMILIES, ModelSpec, parse_spec
+from autoshard.models.spec import FAMILIES, ModelSpec, parse_spec, spec_string
 from autoshard.models.zoo import ZOO
 
 __all__ = ["LoadedModel", "load_model", "build_module", "resolve_spec"]
@@ -102,9 +102,11 @@ def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | No
         if spec.family in ("vit", "mlp"):
             raise ModelSpecError(f"{spec.name} has no sequence length; drop --seq")
         spec = replace(spec, seq=seq)
-    if attn is not None:
+    name = spec.name if seq is None else f"{spec.name}@seq{seq}"
+    if attn is not None and attn != spec.attn:
         spec = replace(spec, attn=attn)  # validated by ModelSpec
-    return LoadedModel(name=spec.name if seq is None else f"{spec.name}@seq{seq}", family=spec.family,
+        name = spec_string(spec)  # a name that rebuilds this model (measure rebuilds a plan's model by name)
+    return LoadedModel(name=name, family=spec.family,
                        module=build_module(spec, device=device), spec=spec)
 
 

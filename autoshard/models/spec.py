@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 from autoshard.errors import ModelSpecError
 
-__all__ = ["ModelSpec", "parse_spec", "FAMILIES"]
+__all__ = ["ModelSpec", "parse_spec", "spec_string", "FAMILIES"]
 
 FAMILIES = ("gpt", "llama", "bert", "vit", "mlp")
 # sdpa: Hugging Face's default (SDPA with an explicit mask: PyTorch's memory-efficient kernel on GPU);
@@ -116,3 +116,14 @@ def parse_spec(spec: str) -> ModelSpec:
                              f"{', '.join(_REQUIRED[family])})")
     known = {f.name for f in fields(ModelSpec)}
     return ModelSpec(name=spec, family=family, **{k: v for k, v in values.items() if k in known})
+
+
+def spec_string(spec: ModelSpec) -> str:
+    """The spec string `parse_spec` turns back into `spec` (its dimensions, whatever its name)."""
+    defaults = ModelSpec(name="", family=spec.family, layers=1, hidden=spec.hidden, heads=spec.heads)
+    parts = []
+    for key in _REQUIRED[spec.family] + _OPTIONAL[spec.family]:
+        value = getattr(spec, key)
+        if key in _REQUIRED[spec.family] or value != getattr(defaults, key):
+            parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
+    return f"{spec.family}:" + ",".join(parts)

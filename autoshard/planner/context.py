@@ -17,7 +17,7 @@ __all__ = ["PlanContext", "default_precision"]
 
 def default_precision(cluster) -> Precision:
     """bf16 mixed precision on GPUs; fp32 on CPU ranks (gloo)."""
-    return FP32 if cluster.gpu.name == "cpu" else BF16_MIXED
+    return FP32 if cluster.gpu.device == "cpu" else BF16_MIXED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +29,10 @@ class PlanContext:
     precision: Precision = BF16_MIXED
     recompute: str = "none"
     seq: int | None = None
+    tp_overlap: bool = False  # tensor-parallel collectives overlap compute (Megatron-Core --tp-comm-overlap)
+    # pointwise ops as one fused kernel each (Megatron-LM's fused kernels, torch.compile); False: eager
+    # PyTorch, one kernel per ATen op (the runtime's own execution)
+    fused_pointwise: bool = False
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -29,6 +29,8 @@ class HandConfig:
     virtual_stages: int = 1
     schedule: str | None = None  # default: 1f1b, or interleaved-1f1b when virtual_stages > 1
     zero: int = 0
+    fused_kernels: bool = False  # pointwise regions as one kernel each (Megatron-LM, torch.compile)
+    tp_comm_overlap: bool = False  # tensor-parallel collectives overlap the GEMMs (Megatron-Core)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages"):
@@ -100,7 +102,8 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     m = check_batch(cfg.global_batch, cfg.dp, cfg.micro_batch)
     mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)) if d > 1})
     ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
-                      precision=default_precision(cluster), recompute=cfg.recompute, seq=graph.seq_len)
+                      precision=default_precision(cluster), recompute=cfg.recompute, seq=graph.seq_len,
+                      fused_pointwise=cfg.fused_kernels, tp_overlap=cfg.tp_comm_overlap)
     assign = megatron_assignment(graph, mesh, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
                                  zero=cfg.zero)
     stage_layers = _stage_layers(graph, cfg.pp, cfg.virtual_stages)

@@ -12,6 +12,14 @@ forward + backward time per micro-batch (compute, tensor-parallel communication,
     looped-bfs (layered):      (m + (p − 1)/v)·t, ZeRO gathers and reductions once per step, not per
                                micro-batch (Lamy-Poirier 2021 §3-4)
 plus the exposed part of the per-iteration gradient reduction and the optimizer step.
+
+Overlap (`cost_models/overlap.py`): ZeRO gathers of a micro-batch's forward overlap its forward compute only,
+its backward gathers and gradient reduce-scatters its backward compute only (a backward collective cannot
+start before the backward does), one FSDP unit per block, compute slowed by the GPU's `overlap_slowdown`
+while they run; the per-iteration gradient reduction overlaps the last micro-batch's backward the same way.
+Tensor-parallel collectives are on the critical path (the runtime's, and Megatron-LM's without
+--tp-comm-overlap); with `PlanContext.tp_overlap` (Megatron-Core's --tp-comm-overlap, `estimate` only: the
+runtime cannot) they overlap the stage's compute like ZeRO traffic.
 """
 
 from __future__ import annotations
@@ -19,19 +27,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoshard.capture.ir import OpGraph, TensorMeta
+from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
 from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.cost_models.compute import memory_bound_time_s
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes, tensor_bytes
+from autoshard.cost_models.overlap import exposed_comm_s
 from autoshard.planner.cache import graph_cache
 from autoshard.planner.context import PlanContext
 from autoshard.planner.layouts import BATCH, Layout
-from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost
+from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost, score_shaped
 from autoshard.planner.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.planner.strategies import same_strategy
 from autoshard.planner.template import planned_edges, stage_of, template_for
 
-__all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches",
+__all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
+           "dp_units", "stage_exposed_s",
            "pipeline_fill",
            "stage_units"]
 
@@ -62,6 +72,53 @@ def block_inputs(graph: OpGraph) -> dict[str, TensorMeta]:
     return out
 
 
+def dp_units(graph: OpGraph) -> dict[str, float]:
+    """Op in a repeated block -> parameters of its block instance: the FSDP unit whose collectives it shares
+    (ops outside blocks are units of their own and are absent)."""
+    cache = graph_cache(graph)
+    if "dp_units" not in cache:
+        out = {}
+        for group in graph.blocks:
+            for names in group.op_names:
+                total = float(sum(graph.op(n).param_numel for n in names))
+                out.update({n: total for n in names})
+        cache["dp_units"] = out
+    return cache["dp_units"]
+
+
+def selective_keeps(graph: OpGraph) -> dict[str, bool]:
+    """Block op -> whether selective recompute keeps its output, for graphs with a fused attention kernel
+    (torchtitan's op-level policy, runtime/recompute.py: the attention kernel and every other matmul of a
+    block, in execution order, are kept; the rest recomputed). Empty for graphs with materialized scores,
+    where selective recompute drops the score tensors instead (Korthikanti et al. 2022)."""
+    cache = graph_cache(graph)
+    if "sac" not in cache:
+        out: dict[str, bool] = {}
+        if not any(score_shaped(t, graph.seq_len) for op in graph.ops for t in op.saved):
+            for group in graph.blocks:
+                for names in group.op_names:
+                    mm = 0
+                    for name in names:
+                        op = graph.op(name)
+                        if op.kind in (OpKind.LINEAR, OpKind.MATMUL):
+                            mm += 1
+                        out[name] = op.kind is OpKind.ATTENTION or (op.kind in (OpKind.LINEAR, OpKind.MATMUL)
+                                                                    and mm % 2 == 1)
+        cache["sac"] = out
+    return cache["sac"]
+
+
+def op_sites(graph: OpGraph) -> dict[str, dict]:
+    """`op_cost` keyword arguments per op: the block input it keeps under full recompute, its FSDP unit,
+    whether selective recompute keeps its output."""
+    cache = graph_cache(graph)
+    if "op_sites" not in cache:
+        firsts, units, keeps = block_inputs(graph), dp_units(graph), selective_keeps(graph)
+        cache["op_sites"] = {op.name: {"block_input": firsts.get(op.name), "unit_numel": units.get(op.name),
+                                       "selective_keep": keeps.get(op.name)} for op in graph.ops}
+    return cache["op_sites"]
+
+
 def pipeline_fill(pipe: PipelineSpec) -> float:
     """Micro-batch slots the schedule leaves idle: p - 1 for GPipe and 1F1B (a rank's chunks run back to back),
     (p - 1)/v for interleaved 1F1B and looped BFS (Narayanan et al. 2021 §2.2.2; Lamy-Poirier 2021 §4)."""
@@ -87,9 +144,10 @@ def inflight_microbatches(stage: int, pipe: PipelineSpec, m: int) -> float:
 @dataclass
 class _Stage:
     fwd: float = 0.0
-    bwd: float = 0.0
+    bwd: float = 0.0  # backward and recompute kernels
     tp: float = 0.0
-    dp_mb: float = 0.0  # ZeRO gathers / reduce-scatters per micro-batch
+    dp_fwd: float = 0.0  # ZeRO gathers before each micro-batch's forward
+    dp_bwd: float = 0.0  # ZeRO gathers and gradient reduce-scatters in each micro-batch's backward
     dp_iter: float = 0.0
     units: int = 0
     memory: MemoryBreakdown = MemoryBreakdown()
@@ -102,8 +160,8 @@ class _Stage:
 
 def _template_costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, tg):
     """Costs of template ops and template edges (every block instance shares its template's strategy)."""
-    firsts = block_inputs(graph)
-    op_costs = {op.name: op_cost(op, assign[op.name], ctx, block_input=firsts.get(op.name)) for op in tg.ops}
+    sites = op_sites(graph)
+    op_costs = {op.name: op_cost(op, assign[op.name], ctx, **sites[op.name]) for op in tg.ops}
     edges = {}
     for e in tg.edges:
         d_st = assign[e.dst]
@@ -127,7 +185,8 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.fwd += n * c.fwd_s
             st.bwd += n * (c.bwd_s + c.recompute_s)
             st.tp += n * (c.tp_fwd_s + c.tp_bwd_s)
-            st.dp_mb += n * (c.dp_fwd_s + c.dp_bwd_s)
+            st.dp_fwd += n * c.dp_fwd_s
+            st.dp_bwd += n * c.dp_bwd_s
             st.dp_iter += n * c.dp_iter_s
             st.params += n * c.optim_bytes / _optim_bytes_per_param(ctx)  # the step runs on the shard
             st.memory = st.memory + MemoryBreakdown(params_bytes=n * c.param_bytes, grads_bytes=n * c.grad_bytes,
@@ -192,29 +251,33 @@ def _boundaries(graph, assign, ctx, pipe, stage, stages) -> None:
         st.boundary_bytes = max(st.boundary_bytes, nb)
 
 
+def stage_exposed_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) -> tuple[float, float]:
+    """(exposed ZeRO traffic, exposed tensor-parallel traffic) of one micro-batch on a stage (module doc)."""
+    s, u = ctx.gpu.overlap_slowdown, st.units
+    if pipe.layered:  # one forward phase over all m micro-batches per block, one backward phase: per step
+        dp = (exposed_comm_s(m * st.fwd, st.dp_fwd, units=u, slowdown=s)
+              + exposed_comm_s(m * st.bwd, st.dp_bwd, units=u, slowdown=s)) / m
+    else:
+        dp = (exposed_comm_s(st.fwd, st.dp_fwd, units=u, slowdown=s)
+              + exposed_comm_s(st.bwd, st.dp_bwd, units=u, slowdown=s))
+    tp = exposed_comm_s(st.fwd + st.bwd, st.tp, units=u, slowdown=s) if ctx.tp_overlap else st.tp
+    return dp, tp
+
+
 def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int):
     """(total seconds, TimeBreakdown, slowest stage time per micro-batch, per-stage times)."""
     p, v = pipe.degree, pipe.virtual_stages
-    per_mb, comm_mb = [], []
+    per_mb = []
     for st in stages:
-        compute = st.fwd + st.bwd
-        if pipe.layered:  # gathers and reductions happen once per step: spread over the m micro-batches
-            exposed_dp = max(st.dp_mb / st.units, st.dp_mb - m * compute) / m
-        else:
-            exposed_dp = max(st.dp_mb / st.units, st.dp_mb - compute)
+        dp, tp = stage_exposed_s(st, ctx, pipe, m)
         p2p = 2 * v * ctx.p2p_s(st.boundary_bytes) if p > 1 else 0.0
-        per_mb.append(compute + st.tp + exposed_dp + p2p)
-        comm_mb.append(st.tp + exposed_dp + p2p)
+        per_mb.append(st.fwd + st.bwd + tp + dp + p2p)
     t = max(per_mb)
     slow = per_mb.index(t)
-    if p == 1:
-        steady = m * t
-        bubble = 0.0
-    else:
-        fill = pipeline_fill(pipe)
-        steady, bubble = m * t, fill * t
-    # per-iteration gradient reduction overlaps the last backward, except its last bucket
-    sync = max(max(st.dp_iter / st.units, st.dp_iter - stages[i].bwd) for i, st in enumerate(stages))
+    steady, bubble = m * t, pipeline_fill(pipe) * t
+    # the per-iteration gradient reduction overlaps the last micro-batch's backward
+    sync = max(exposed_comm_s(st.bwd, st.dp_iter, units=st.units, slowdown=ctx.gpu.overlap_slowdown)
+               for st in stages)
     opt = max(memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision), ctx.gpu) for st in stages)
     compute = m * (stages[slow].fwd + stages[slow].bwd)
     breakdown = TimeBreakdown(compute_s=compute, exposed_comm_s=steady - compute + sync, bubble_s=bubble,

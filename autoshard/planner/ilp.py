@@ -12,18 +12,22 @@ Variables
     E_k, S_k, R_k >= 0     exposed ZeRO traffic, exposed gradient sync, transient buffer of stage k
 
 Objective (iteration time; `_objective`)
-    min (m + fill)·T + max_k S_k + max_k opt_k
+    min (m + fill)·T + max_k (S_k + G_k/u_k) + max_k opt_k
 
 Constraints
     sum_s x[o,s] = 1                                                   one strategy per op      (`_strategy_vars`)
     sum_b y[e,a,b] = sum_{s: out(s)=a} x[u,s]
     sum_a y[e,a,b] = sum_{s: key_i(s)=b} x[v,s]                        edge consistency         (`_edge_vars`)
-    T >= C_k + P_k + E_k + p2p_k                                       stage time               (`_stage_time`)
-      C_k = sum_o n_k(o) sum_s (fwd + bwd + recompute)[o,s] x[o,s]
+    T >= F_k + B_k + P_k + (Df_k + Db_k)/(u_k·l) + Ef_k + Eb_k + p2p_k   stage time             (`_stage_time`)
+      F_k, B_k = sum_o n_k(o) sum_s fwd[o,s] x[o,s], resp. (bwd + recompute)[o,s]
       P_k = sum_o n_k(o) sum_s tp[o,s] x[o,s] + sum_e n_k(e) sum_ab c[e,a,b] y[e,a,b]
-    E_k >= D_k - C_k,  E_k >= D_k / units_k                            ZeRO overlap             (`_stage_time`)
-      D_k = sum_o n_k(o) sum_s (dp_fwd + dp_bwd)[o,s] x[o,s]   (divided by m for layered accumulation)
-    S_k >= G_k - B_k,  S_k >= G_k / units_k                            gradient-sync overlap    (`_stage_time`)
+      Df_k, Db_k = ZeRO traffic of a forward, resp. backward (gathers, reduce-scatters); l = m for layered
+      accumulation (one gather per block and step), else 1; u_k = blocks of the stage (FSDP units)
+    Ef_k >= Df_k·(1 - 1/u_k)/l - F_k,  Ef_k >= Df_k·(1 - 1/u_k)·(1 - 1/slow)/l, Eb_k likewise with Db_k, B_k
+                                                                       ZeRO overlap, compute slowed by the
+                                                                       GPU's overlap_slowdown (`_overlap_rows`)
+    S_k >= G_k·(1 - 1/u_k) - B_k,  S_k >= G_k·(1 - 1/u_k)·(1 - 1/slow)  gradient-sync overlap
+    (with --tp-comm-overlap P_k enters as P_k/u_k + Et_k, Et_k overlapping F_k + B_k like ZeRO traffic)
     R_k >= trans[o,s] x[o,s]  for o in stage k                         largest gathered buffer  (`_memory`)
     sum_o sum_s (n_k(o)·(state + inflight_k·saved) + peak)[o,s] x[o,s] + 2 R_k + other <= cap   (`_memory`)
       (peak: a recomputed block's activations, live while that one block runs backward)
@@ -49,8 +53,8 @@ from autoshard.cost_models.breakdown import GIB
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
 from autoshard.planner.context import PlanContext
 from autoshard.planner.evaluate import (
-    block_inputs,
     inflight_microbatches,
+    op_sites,
     pipeline_fill,
     sink_layout,
     stage_units,
@@ -202,36 +206,54 @@ def optimizer_s_per_state_byte(ctx: PlanContext) -> float:
         ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)
 
 
+def _overlap_rows(lp, name: str, comm, compute, *, units: int, slowdown: float, per: float = 1.0):
+    """A variable E with E >= rest/per - compute and E >= rest·(1 - 1/slowdown)/per, rest = comm·(1 - 1/units):
+    with comm/(units·per) added it is `cost_models.overlap.exposed_comm_s` (of compute·per, comm)/per."""
+    E = _var(lp, name, lowBound=0)
+    r = (1.0 - 1.0 / units) / per
+    lp += pulp.LpConstraint(_aff([(E, 1.0)] + [(v, -c * r) for v, c in comm] + compute), pulp.LpConstraintGE, rhs=0)
+    lp += pulp.LpConstraint(_aff([(E, 1.0)] + [(v, -c * r * (1.0 - 1.0 / slowdown)) for v, c in comm]),
+                            pulp.LpConstraintGE, rhs=0)
+    return E
+
+
 def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
     """T >= per-stage time; returns (T, [S_k], [opt_k] as term lists)."""
     T = _var(lp, "T", lowBound=0)
     syncs, opts = [], []
     m = ctx.num_microbatches
+    per = m if pipe.layered else 1  # layered accumulation: one gather / reduction per block and step
+    slow = ctx.gpu.overlap_slowdown
     per_state_byte = optimizer_s_per_state_byte(ctx)
     for k in range(pipe.degree):
-        comp, tp, dpmb, dpit, bwd, opt = [], [], [], [], [], []
+        fwd, bwd, tp, dpf, dpb, dpit, opt = [], [], [], [], [], [], []
         for op in tg.ops:
             n = tg.per_stage[op.name][k]
             if not n:
                 continue
             for i, c in enumerate(costs[op.name]):
                 v = x[StratVar(op.name, i)]
-                comp.append((v, n * (c.fwd_s + c.bwd_s + c.recompute_s)))
+                fwd.append((v, n * c.fwd_s))
                 bwd.append((v, n * (c.bwd_s + c.recompute_s)))
                 tp.append((v, n * (c.tp_fwd_s + c.tp_bwd_s)))
-                dpmb.append((v, n * (c.dp_fwd_s + c.dp_bwd_s) / (m if pipe.layered else 1)))
+                dpf.append((v, n * c.dp_fwd_s))
+                dpb.append((v, n * c.dp_bwd_s))
                 dpit.append((v, n * c.dp_iter_s))
                 opt.append((v, n * c.optim_bytes * per_state_byte))
         tp += edge_terms[k] + [t for s, t in out_terms if s == k]
-        E = _var(lp, f"E_{k}", lowBound=0)
-        S = _var(lp, f"S_{k}", lowBound=0)
-        lp += pulp.LpConstraint(_aff([(E, 1.0)] + [(v, -c) for v, c in dpmb] + comp), pulp.LpConstraintGE, rhs=0)
-        lp += pulp.LpConstraint(_aff([(E, 1.0)] + [(v, -c / units[k]) for v, c in dpmb]), pulp.LpConstraintGE, rhs=0)
-        lp += pulp.LpConstraint(_aff([(S, 1.0)] + [(v, -c) for v, c in dpit] + bwd), pulp.LpConstraintGE, rhs=0)
-        lp += pulp.LpConstraint(_aff([(S, 1.0)] + [(v, -c / units[k]) for v, c in dpit]), pulp.LpConstraintGE, rhs=0)
-        lp += pulp.LpConstraint(_aff([(T, 1.0), (E, -1.0)] + [(v, -c) for v, c in comp + tp]),
-                                pulp.LpConstraintGE, rhs=p2p[k])
-        syncs.append(S)
+        u = units[k]
+        Ef = _overlap_rows(lp, f"Ef_{k}", dpf, fwd, units=u, slowdown=slow, per=per)
+        Eb = _overlap_rows(lp, f"Eb_{k}", dpb, bwd, units=u, slowdown=slow, per=per)
+        first = [(v, c / (u * per)) for v, c in dpf + dpb]
+        if ctx.tp_overlap:
+            Et = _overlap_rows(lp, f"Et_{k}", tp, fwd + bwd, units=u, slowdown=slow)
+            tp_terms = [(v, c / u) for v, c in tp] + [(Et, 1.0)]
+        else:
+            tp_terms = tp
+        lp += pulp.LpConstraint(_aff([(T, 1.0), (Ef, -1.0), (Eb, -1.0)] + [(v, -c) for v, c in fwd + bwd + first]
+                                     + [(v, -c) for v, c in tp_terms]), pulp.LpConstraintGE, rhs=p2p[k])
+        S = _overlap_rows(lp, f"S_{k}", dpit, bwd, units=u, slowdown=slow)
+        syncs.append((S, [(v, c / u) for v, c in dpit]))
         opts.append(opt)
     return T, syncs, opts
 
@@ -297,8 +319,8 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
     tg, stage = template_for(graph, pipe)
     lp = pulp.LpProblem("autoshard", pulp.LpMinimize)
     if costs is None:
-        firsts = block_inputs(graph)
-        costs = {op.name: [op_cost(op, s, ctx, block_input=firsts.get(op.name)) for s in strategies[op.name]]
+        sites = op_sites(graph)
+        costs = {op.name: [op_cost(op, s, ctx, **sites[op.name]) for s in strategies[op.name]]
                  for op in tg.ops}
     x = _strategy_vars(lp, tg, strategies)
     if edge_time is None:
@@ -320,8 +342,9 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
         fill = pipeline_fill(pipe)
         S = _var(lp, "S", lowBound=0)
         O = _var(lp, "O", lowBound=0)
-        for s_k in syncs:
-            lp += pulp.LpConstraint(_aff([(S, 1.0), (s_k, -1.0)]), pulp.LpConstraintGE, rhs=0)
+        for s_k, first in syncs:
+            lp += pulp.LpConstraint(_aff([(S, 1.0), (s_k, -1.0)] + [(v, -c) for v, c in first]),
+                                    pulp.LpConstraintGE, rhs=0)
         for o in opts:
             lp += pulp.LpConstraint(_aff([(O, 1.0)] + [(v, -c) for v, c in o]), pulp.LpConstraintGE, rhs=0)
         lp.setObjective(_aff([(T, ctx.num_microbatches + fill), (S, 1.0), (O, 1.0)]))

@@ -12,7 +12,10 @@ The per-axis rules, applied to every mesh axis a of degree d:
   gradient: the edge into the op reduces it in backward (Megatron's f operator).
 - A norm over a hidden dim sharded on a all-reduces its statistics (2 fp32 values per token).
 Data-parallel communication is returned apart from tensor-parallel communication because it overlaps with
-compute (FSDP prefetch, gradient reduction during backward); the evaluator decides how much is exposed.
+compute (FSDP prefetch, gradient reduction during backward); the evaluator decides how much is exposed. It
+moves one FSDP unit (gradient bucket) at a time, a whole block's parameters, as the runtime's FSDP2 groups
+(runtime/data_parallel.py), torchtitan, llm-foundry and Megatron's gradient buckets do: an op pays its share
+of its unit's collective (`unit_numel`), so the per-collective latency is paid per block, not per op.
 """
 
 from __future__ import annotations
@@ -131,15 +134,23 @@ def _compute_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
         fwd = gemm_time_s(m, n, k, gpu, batch=batch, bytes_per_elem=prec.act_bytes)
         return fwd, 2 * fwd
     nbytes = sum(tensor_bytes(t, prec, samples=mb) for t in (*op.input_meta, op.output_meta)) / split
+    kernels = 1
     if op.kind is OpKind.EMBEDDING:
         nbytes = 2 * tensor_bytes(op.output_meta, prec, samples=mb) / split
-    fwd = memory_bound_time_s(nbytes, gpu)
+    elif not ctx.fused_pointwise and op.kernel_io_numel:
+        # eager PyTorch: every ATen kernel of the op reads its inputs and writes its output (RMSNorm in
+        # Hugging Face's Llama is pow, mean, add, rsqrt, mul, mul)
+        wide = op.kernel_io_wide_numel
+        nbytes = ((op.kernel_io_numel - wide) * prec.act_bytes + wide * 4) * mb / split
+        kernels = max(1, op.kernels)
+    fwd = memory_bound_time_s(nbytes, gpu, kernels=kernels)
     return fwd, 2 * fwd if op.kind is not OpKind.EMBEDDING else fwd
 
 
 # -- parameters ---------------------------------------------------------------------------------------------
-def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext):
-    """(states, tp fwd/bwd s, dp fwd/bwd/iter s, transient bytes, comm records) of the op's parameters."""
+def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | None = None):
+    """(states, tp fwd/bwd s, dp fwd/bwd/iter s, transient bytes, comm records) of the op's parameters.
+    `unit_numel`: parameters of the FSDP unit the op belongs to (its block); None: the op is its own unit."""
     prec, mesh = ctx.precision, ctx.mesh
     dp = mesh.degree("dp")
     p_b = g_b = o_b = 0.0
@@ -172,22 +183,27 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext):
             gb = local * prec.grad_bytes
             tp_b += ctx.collective_s("all_reduce", gb, partial_axes)
             comm.append(("all_reduce", gb))
-        f, b, i, tr, c, ic = _dp_param_comm(local, st, ctx)
+        unit = max(1.0, (unit_numel or op.param_numel) / max(1, op.param_numel))
+        f, b, i, tr, c, ic = _dp_param_comm(local, st, ctx, unit)
         dp_f, dp_b, dp_i, transient = dp_f + f, dp_b + b, dp_i + i, max(transient, tr)
         comm += c
         iter_comm += ic
     return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm
 
 
-def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext):
-    """Data-parallel traffic of `local` parameters at ZeRO level `st.zero` (split into `st.split` slices)."""
+def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float = 1.0):
+    """Data-parallel traffic of `local` parameters at ZeRO level `st.zero` (split into `st.split` slices),
+    as their share of a unit `unit` times their size (a split op's slices are units of their own)."""
     prec, dp = ctx.precision, ctx.mesh.degree("dp")
     if dp == 1:
         return 0.0, 0.0, 0.0, 0.0, [], []
     pb, gb = local * prec.param_bytes, local * prec.grad_bytes
     s = st.split
+    share = 1.0 / unit if s == 1 else 1.0
 
     def coll(kind: str, nbytes: float) -> float:
+        if s == 1:
+            return share * ctx.collective_s(kind, nbytes * unit, ("dp",))
         return s * ctx.collective_s(kind, nbytes / s, ("dp",))
 
     if st.zero == 0:
@@ -200,6 +216,22 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext):
             [("all_gather", pb)]
     ag = coll("all_gather", pb)
     return ag, ag + coll("reduce_scatter", gb), 0.0, pb / s, [("all_gather", 2 * pb), ("reduce_scatter", gb)], []
+
+
+def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
+    """Memory-bound copies around FSDP2's collectives, per micro-batch (forward, backward): every all-gather
+    is copied out of its flat output into the parameters (`split_with_sizes_copy`), every reduce-scatter's
+    input copied in from the unsharded gradients (`chunk_cat`): torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py. ZeRO-3 gathers in forward and again in backward; ZeRO-2 and -3 reduce-scatter in
+    every backward."""
+    if ctx.mesh.degree("dp") == 1 or st.zero < 2:
+        return 0.0, 0.0
+    local = sum(p.numel for p in op.params if p.owner) / max(1, _deg(st.params[0].storage, ctx, (OUT, IN))
+                                                            if st.params else 1)
+    gathered = 2 * local * ctx.precision.param_bytes  # read the flat output, write the parameters
+    reduced = 2 * local * ctx.precision.grad_bytes
+    fwd = memory_bound_time_s(gathered, ctx.gpu) if st.zero == 3 else 0.0
+    return fwd, fwd + memory_bound_time_s(reduced, ctx.gpu)
 
 
 # -- activations ---------------------------------------------------------------------------------------------
@@ -236,21 +268,33 @@ def _norm_stats_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, f
     return t, t, [("all_reduce", nb)] * (2 * stats)
 
 
-def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta | None = None) -> OpCost:
+def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta | None = None,
+            unit_numel: float | None = None, selective_keep: bool | None = None) -> OpCost:
     """Cost of `op` under `st`. `block_input`: for the first op of a repeated block under full recompute,
-    the block input it keeps (everything else in the block is recomputed)."""
+    the block input it keeps (everything else in the block is recomputed). `unit_numel`: the parameters of
+    the sharded-DP unit (block) the op belongs to (`evaluate.dp_units`). `selective_keep`: in a graph with a
+    fused attention kernel, whether selective recompute keeps this block op's output (`evaluate.selective_keeps`);
+    None: selective recompute drops score-shaped tensors (materialized attention)."""
     fwd, bwd = _compute_s(op, st, ctx)
-    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = _param_costs(op, st, ctx)
+    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = _param_costs(op, st, ctx, unit_numel)
+    copy_f, copy_b = _fsdp_copy_s(op, st, ctx)
+    fwd, bwd = fwd + copy_f, bwd + copy_b
     nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
     tp_f, tp_b = tp_f + nf, tp_b + nb
     kept, dropped = _saved_bytes(op, st, ctx)
     recompute, peak = 0.0, 0.0
+    lay = st.inputs[0] if st.inputs else st.output
+    first_keeps = 0.0 if block_input is None else tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(
+        1, _deg(lay, ctx, (BATCH, SEQ, FEAT)))
     if ctx.recompute == "full" and op.layer is not None:
-        recompute, peak, kept = fwd + tp_f, kept + dropped, 0.0
-        if block_input is not None:
-            lay = st.inputs[0] if st.inputs else st.output
-            kept = tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(
-                1, _deg(lay, ctx, (BATCH, SEQ, FEAT)))
+        recompute, peak, kept = fwd + tp_f, kept + dropped, first_keeps
+    elif ctx.recompute == "selective" and op.layer is not None and selective_keep is not None:
+        peak = kept + dropped
+        if selective_keep:  # the output is kept; what the op's backward needs is recomputed from it
+            kept = tensor_bytes(op.output_meta, ctx.precision, samples=ctx.micro_batch) / max(
+                1, _deg(st.output, ctx, (BATCH, SEQ, FEAT))) + first_keeps
+        else:
+            recompute, kept = fwd + tp_f, first_keeps
     elif ctx.recompute == "selective" and dropped > 0:
         recompute, peak = fwd, dropped
     else:

@@ -6,7 +6,7 @@ import math
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext
-from autoshard.planner.evaluate import block_inputs, sink_layout
+from autoshard.planner.evaluate import op_sites, sink_layout
 from autoshard.planner.opcost import edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.plan import OpPlan, OpStrategy, Plan
 from autoshard.planner.search import SearchResult, allowed, search
@@ -19,7 +19,7 @@ __all__ = ["make_plan", "runner_ups", "plan_from_result"]
 def _local_time(graph, tg, name, st, assign, ctx, firsts) -> float:
     """Op time plus the edges it touches, with its neighbours' strategies fixed."""
     op = graph.op(name)
-    t = op_cost(op, st, ctx, block_input=firsts.get(name)).time_s
+    t = op_cost(op, st, ctx, **firsts[name]).time_s
     for e in tg.edges:
         if e.dst == name:
             t += edge_cost(e.meta, assign[e.src].output, st.inputs[e.index],
@@ -39,7 +39,7 @@ def runner_ups(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, 
                space: frozenset[str]) -> dict[str, tuple[str, float, float, float]]:
     """template op -> (runner-up name, its local time, chosen local time, runner-up memory bytes)."""
     tg, _ = template_for(graph, result.candidate.pipe)
-    firsts = block_inputs(graph)
+    firsts = op_sites(graph)
     out = {}
     dp = ctx.mesh.degree("dp")
     for op in tg.ops:
@@ -54,7 +54,7 @@ def runner_ups(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, 
         if not scored:
             continue
         t, _, s = min(scored, key=lambda x: (x[0], x[1]))
-        mem = op_cost(op, s, ctx, block_input=firsts.get(op.name)).state_bytes
+        mem = op_cost(op, s, ctx, **firsts[op.name]).state_bytes
         label = s.name + (f" zero{s.zero}" if s.zero else "") + (f" split{s.split}" if s.split > 1 else "")
         out[op.name] = (label, t, t_chosen, mem)
     return out

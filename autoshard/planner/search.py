@@ -24,9 +24,9 @@ from autoshard.planner.candidate_bound import edge_times, knapsack_bound_s
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.evaluate import (
     Evaluation,
-    block_inputs,
     evaluate,
     inflight_microbatches,
+    op_sites,
     pipeline_fill,
 )
 from autoshard.planner.ilp import build_problem, expand_assignment, relaxation_bound, solve
@@ -271,8 +271,8 @@ def _prepare(graph, cluster, cand: Candidate, space, cache) -> _Prepared | None:
     key = ("costs", cand.mesh, cand.micro_batch, cand.num_microbatches, cand.recompute)
     ctx = _context(graph, cluster, cand)
     if key not in cache:
-        firsts = block_inputs(graph)
-        cache[key] = {name: [op_cost(graph.op(name), s, ctx, block_input=firsts.get(name)) for s in sts]
+        sites = op_sites(graph)
+        cache[key] = {name: [op_cost(graph.op(name), s, ctx, **sites[name]) for s in sts]
                       for name, sts in strategies.items()}
     return _Prepared(ctx=ctx, strategies=strategies, costs=cache[key])
 

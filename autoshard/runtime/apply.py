@@ -8,11 +8,12 @@
     4. operator splitting of the Linears planned with split > 1 (split.py);
        given example inputs, the choice between running the model's own code on local shards and SPMD mode
        (local_shards.py; it runs two forwards, so before FSDP);
-    5. sharded data parallel per op: FSDP2 in SPMD mode on the dp mesh dim (data_parallel.py).
+    5. activation recomputation of every repeated block, full or selective (recompute.py);
+    6. sharded data parallel per op: FSDP2 in SPMD mode on the dp mesh dim (data_parallel.py).
 
 A plan without tensor-parallel axes skips steps 2 and 3 and runs on plain tensors: its operator splitting
-(4) rewrites the Linears and FSDP2 (5) shards them on the dp mesh, no DTensor dispatch per op in between.
-Pipelined plans go through pipeline.py, which applies steps 2-5 per stage.
+(4) rewrites the Linears and FSDP2 (6) shards them on the dp mesh, no DTensor dispatch per op in between.
+Pipelined plans go through pipeline.py, which applies steps 2-6 per stage.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from autoshard.runtime.dtensor_ext import register_dtensor_rules
 from autoshard.runtime.local_shards import choose_local_shards
 from autoshard.runtime.norms import statistics_parallel_forward
 from autoshard.runtime.parallel_module import ParallelModule, RuntimeState, make_parallel
+from autoshard.runtime.recompute import apply_recompute
 from autoshard.runtime.specs import ModuleSpec, module_specs
 from autoshard.runtime.tensor_parallel import ModuleRuntime, distribute_parameters, install_module_runtimes
 
-__all__ = ["apply_plan"]
+__all__ = ["apply_plan", "materializes_scores"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     if not plan.mesh.tp_axes:  # data parallel and ZeRO only: plain tensors, as torchtitan runs FSDP2
         model = make_parallel(model, RuntimeState(plan=plan, mesh=mesh, spmd=False))  # 1
         apply_operator_splitting(model, specs, None, mesh)  # 4
-        apply_plain_data_parallel(model, specs, mesh)  # 5
+        apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
+        apply_plain_data_parallel(model, specs, mesh)  # 6
         log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
         return model
     state = RuntimeState(plan=plan, mesh=mesh)
@@ -67,9 +70,15 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     apply_operator_splitting(model, specs, runtimes, mesh)  # 4
     if example_inputs is not None:  # 4b: the model's own code on local shards if the plan and the code allow
         choose_local_shards(model, state, specs, example_inputs)
-    apply_sharded_data_parallel(model, specs, mesh)  # 5
+    apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
+    apply_sharded_data_parallel(model, specs, mesh)  # 6
     log.info("applied plan %s on mesh %s: %d module ops", plan.model, plan.mesh, len(specs))
     return model
+
+
+def materializes_scores(plan: Plan) -> bool:
+    """The model computes attention with materialized scores (a softmax op) rather than a fused kernel."""
+    return any(p.kind == "softmax" for p in plan.ops)
 
 
 def _statistics_parallel_norms(specs: dict[str, ModuleSpec], runtimes: dict[str, ModuleRuntime]) -> None:

@@ -46,7 +46,7 @@ def resolve_cluster(cluster: ClusterSpec | str | int) -> tuple[int, str]:
         from autoshard.hardware_profiles.cluster import ClusterSpec
 
         cluster = ClusterSpec.parse(cluster)
-    return cluster.num_gpus, "cpu" if cluster.gpu.name == "cpu" else "cuda"
+    return cluster.num_gpus, cluster.gpu.device
 
 
 def _load_plan(plan: Plan | str | os.PathLike) -> Plan:

@@ -52,7 +52,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from autoshard.errors import ConfigurationError, PlanFileError, RuntimeSetupError
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.plan import Plan
-from autoshard.runtime.apply import _statistics_parallel_norms
+from autoshard.runtime.apply import _statistics_parallel_norms, materializes_scores
+from autoshard.runtime.recompute import apply_recompute
 from autoshard.runtime.data_parallel import apply_operator_splitting, apply_sharded_data_parallel
 from autoshard.runtime.dtensor_ext import SPMDMode, register_dtensor_rules
 from autoshard.runtime.mesh import build_device_mesh
@@ -127,14 +128,15 @@ def _stage_mesh(full: DeviceMesh, plan: Plan, device_type: str) -> DeviceMesh | 
     return _STAGE_MESHES[id(full)]
 
 
-def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> None:
-    """Steps 2-5 of `apply_plan` on one pipeline chunk, with the chunk as the root (its FSDP root too).
+def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, plan: Plan) -> None:
+    """Steps 2-6 of `apply_plan` on one pipeline chunk, with the chunk as the root (its FSDP root too).
 
     `specs` are the chunk's own (paths inside the chunk equal the model's, see pipeline_split.py)."""
     distribute_parameters(stage, specs, mesh)
     runtimes = install_module_runtimes(stage, specs, mesh)
     _statistics_parallel_norms(specs, runtimes)
     apply_operator_splitting(stage, specs, runtimes, mesh)
+    apply_recompute(stage, plan, scores=materializes_scores(plan))
     apply_sharded_data_parallel(stage, specs, mesh)
 
 
@@ -287,8 +289,10 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
     dp = full.size(full.mesh_dim_names.index("dp")) if "dp" in full.mesh_dim_names else 1
     for chunk in local:  # 3
         if mesh is not None:
-            apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh)
+            apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh, plan)
             chunk.boundary = _SPMDBoundary(mesh, grad_scale=1.0 / dp if chunk.is_last else 1.0)
+        else:  # a one-rank stage: plain tensors, only recomputation to apply
+            apply_recompute(chunk, plan, scores=materializes_scores(plan))
         if name == "looped-bfs":
             _gather_once_per_step(chunk)
     stages = _stages(local, io, full, device_type)  # 4
