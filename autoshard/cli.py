@@ -236,6 +236,12 @@ def _cmd_hardware(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from autoshard.cli_runtime import profile_command
+
+    return profile_command(args, _emit)
+
+
 def _cmd_measure(args) -> int:
     from autoshard.cli_runtime import measure_command
 
@@ -312,6 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--plot", default=None, help="write a picture of the plan (PNG)")
     x.add_argument("--json", action="store_true")
     x.set_defaults(func=_cmd_explain)
+
+    pr = sub.add_parser("profile", help="under torchrun: measure GEMMs, kernels and collectives on this job's ranks "
+                                        "and write a cluster file for --cluster")
+    pr.add_argument("-o", "--output", required=True, help="the cluster YAML to write")
+    pr.add_argument("--quick", action="store_true", help="fewer shapes and sizes (under a minute on CPU ranks)")
+    pr.add_argument("--cpu", action="store_true", help="profile CPU ranks (gloo) even if CUDA is available")
+    pr.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=_cmd_profile)
 
     ms = sub.add_parser("measure", help="under torchrun: run a plan file on this job's ranks, time its steps, "
                                         "compare with the prediction")

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
-from autoshard.errors import RuntimeSetupError
+from autoshard.errors import ConfigurationError, RuntimeSetupError
 
-__all__ = ["measure_command", "require_torchrun"]
+__all__ = ["measure_command", "profile_command", "require_torchrun"]
 
 
 def require_torchrun(command: str) -> None:
@@ -63,3 +64,61 @@ def measure_text(result) -> list[str]:
         lines.append("  breakdown       " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
                                                       (result.predicted_breakdown_s or {}).items() if v > 0))
     return lines
+
+
+def _writable_target(path: str) -> Path:
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigurationError(f"-o {path}: directory {parent} does not exist; create it or pick another path")
+    if not os.access(parent, os.W_OK):
+        raise ConfigurationError(f"-o {path}: directory {parent} is not writable")
+    return target
+
+
+def profile_command(args, emit) -> int:
+    target = _writable_target(args.output)  # before any measurement
+    require_torchrun("profile")
+    import torch.distributed as dist
+    import yaml
+
+    from autoshard.runtime.mesh import init_distributed
+    from autoshard.runtime.profile import profile_cluster
+
+    import torch
+
+    init_distributed(device_type="cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    rank0 = dist.get_rank() == 0
+    show = rank0 and not args.json and not args.quiet
+    data = profile_cluster(quick=args.quick,
+                           progress=(lambda msg: print(f"autoshard profile: {msg}", file=sys.stderr, flush=True))
+                           if show else None)
+    if rank0:
+        header = ("# Measured by `autoshard profile`: a cluster file for --cluster (this cluster) or\n"
+                  "# --cluster NODESxGPUS@<this file> (the same GPUs and links, another size). Re-run it after\n"
+                  "# hardware, driver or library changes; every number's source is in its sources section.\n")
+        _atomic_write(target, header + yaml.safe_dump(data, sort_keys=False, width=200, default_flow_style=None))
+        g = data["gpu"]
+        emit(args, {"profile_file": str(target), "gpu": {k: g[k] for k in ("name", "peak_tflops", "hbm_gbps",
+                                                                               "kernel_launch_us", "overlap_slowdown",
+                                                                               "dtensor_us_per_op")},
+                    "intra_busbw_gbps": data["intra"]["busbw_gbps"]},
+             f"profile written to {target}: {g['name']}, best GEMM {max(r[3] for r in g['gemm_tflops']):.3g} "
+             f"TFLOP/s, {g['hbm_gbps']:.3g} GB/s, {g['kernel_launch_us']:.3g} us per kernel, all-reduce "
+             f"{data['intra']['busbw_gbps']['all_reduce']:.3g} GB/s busbw; use --cluster {target}")
+    dist.destroy_process_group()
+    return 0
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

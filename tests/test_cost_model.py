@@ -5,7 +5,14 @@ import math
 import pytest
 
 from autoshard.capture import capture_model
-from autoshard.cost_models.comm import GroupPlacement, bus_factor, collective_time_s, group_placement
+from autoshard.cost_models.comm import (
+    GroupPlacement,
+    bus_factor,
+    collective_time_s,
+    group_placement,
+    peak_busbw_gbps,
+    step_overhead_s,
+)
 from autoshard.cost_models.compute import gemm_time_s
 from autoshard.cost_models.memory import BF16_MIXED, model_state_bytes
 from autoshard.hardware_profiles import ClusterSpec, load_gpu
@@ -20,30 +27,53 @@ DGX = ClusterSpec.parse("1x8xA100-80GB")
 TWO_NODES = ClusterSpec.parse("2x8xA100-80GB")
 
 
-# -- collectives (REFERENCES.md §3) -----------------------------------------------------------------------
-@pytest.mark.parametrize("collective,factor", [("all_reduce", lambda n: 2 * (n - 1) / n),
-                                               ("all_gather", lambda n: (n - 1) / n),
-                                               ("reduce_scatter", lambda n: (n - 1) / n),
-                                               ("all_to_all", lambda n: (n - 1) / n)])
-def test_collectives_inside_a_node_follow_the_nccl_tests_bus_bandwidth_formula(collective, factor):
-    size = 1 << 30
+# -- collectives (REFERENCES.md §3; cost_models/comm.py) --------------------------------------------------
+def test_all_reduce_on_eight_a100s_reproduces_the_measured_nccl_tests_curve():
+    """At the group size it was measured on, the model gives back the published busbw at every size."""
+    _, n0, points = DGX.intra.curve("all_reduce", 8)
+    assert n0 == 8
+    for nbytes, busbw in points:
+        got = collective_time_s("all_reduce", nbytes, GroupPlacement(size=8, ranks_per_node=8), DGX)
+        assert nbytes * 2 * 7 / 8 / got / 1e9 == pytest.approx(busbw, rel=1e-9)
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+def test_a_link_without_a_curve_is_alpha_beta_with_ring_steps(collective):
+    pcie = ClusterSpec.parse("1x8xA100-40GB-PCIe")
+    link = pcie.intra
+    assert not link.busbw_curve
+    size = 1 << 26
     for n in (2, 4, 8):
         steps = 2 * (n - 1) if collective == "all_reduce" else n - 1
-        want = steps * DGX.intra.latency_us * 1e-6 + size * factor(n) / (DGX.intra.busbw_gbps[collective] * 1e9)
-        got = collective_time_s(collective, size, GroupPlacement(size=n, ranks_per_node=n), DGX)
+        want = steps * link.latency_us * 1e-6 + size * bus_factor(collective, n) / (link.busbw_gbps[collective] * 1e9)
+        got = collective_time_s(collective, size, GroupPlacement(size=n, ranks_per_node=n), pcie)
         assert got == pytest.approx(want, rel=1e-12)
 
 
-def test_all_reduce_across_nodes_is_hierarchical():
-    """16 ranks on 2 nodes: reduce-scatter and all-gather inside each node, all-reduce of 1/8 across nodes with
-    each GPU getting 1/8 of the node's network bandwidth."""
-    size, k = 1 << 30, 8
+def test_a_ring_across_nodes_pays_every_step_and_the_nodes_network():
+    """16 ranks on 2 DGX A100: a flat ring of 30 all-reduce steps, 2 of them across the network; its
+    bandwidth the slower of NVSwitch and the node's 8 NICs."""
+    size = 1 << 30
+    group = GroupPlacement(size=16, ranks_per_node=8)
     intra, inter = TWO_NODES.intra, TWO_NODES.inter
-    local = 2 * ((k - 1) * intra.latency_us * 1e-6 + size * (k - 1) / k / (intra.busbw_gbps["reduce_scatter"] * 1e9))
-    per_gpu = inter.busbw_gbps["all_reduce"] / 8 * 1e9
-    cross = 2 * inter.latency_us * 1e-6 + (size / k) * 2 * (2 - 1) / 2 / per_gpu
-    got = collective_time_s("all_reduce", size, GroupPlacement(size=16, ranks_per_node=8), TWO_NODES)
-    assert got == pytest.approx(local + cross, rel=1e-9)
+    o_intra = step_overhead_s(intra, "all_reduce", size / 16, 8)
+    o_inter = max(o_intra, step_overhead_s(inter, "all_reduce", size / 16, 2))
+    bw = min(peak_busbw_gbps(intra, "all_reduce", 8), inter.busbw_gbps["all_reduce"])
+    ring = 28 * o_intra + 2 * o_inter + size * 2 * 15 / 16 / (bw * 1e9)
+    tree = 2 * (7 * o_intra + 1 * o_inter) + size * 2 * 15 / 16 / (bw * 1e9)
+    assert collective_time_s("all_reduce", size, group, TWO_NODES) == pytest.approx(min(ring, tree), rel=1e-12)
+
+
+def test_the_same_message_reaches_less_bus_bandwidth_on_a_larger_ring():
+    """Per-rank chunks shrink as the ring grows: a 64 MB all-gather on 1,024 A100s is slower per byte than
+    on 64 (nccl issue #1712: ring latency grows linearly with the communicator)."""
+    def busbw(nodes):
+        cluster = ClusterSpec.parse(f"{nodes}x8xA100-80GB")
+        n = nodes * 8
+        t = collective_time_s("all_gather", 64 << 20, GroupPlacement(size=n, ranks_per_node=8), cluster)
+        return (64 << 20) * (n - 1) / n / t / 1e9
+    assert busbw(8) > busbw(32) > busbw(128)
+    assert busbw(128) < 0.5 * busbw(8)
 
 
 def test_collective_time_grows_with_message_and_group_size():

@@ -79,6 +79,7 @@ def _to_op(c: _Coarsener, g: _Group, kind: OpKind, names: dict[int, str]) -> Op:
         gemm=g.gemm if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV) else None,
         variant=g.variant if kind is OpKind.ATTENTION else "",
         kernels=g.kernels, kernel_io_numel=g.kernel_io_numel, kernel_io_wide_numel=g.kernel_io_wide_numel,
+        views=g.views,
     )
 
 

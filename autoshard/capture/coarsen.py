@@ -72,6 +72,7 @@ class _Group:
     kernels: int = 0  # ATen kernels (non-view nodes) eager PyTorch launches for this group
     kernel_io_numel: int = 0  # per-sample elements those kernels read and write (batch-dim tensors)
     kernel_io_wide_numel: int = 0  # of which in float32 while the model computes in 16 bits (upcasts)
+    views: int = 0  # view ops (reshape, transpose, ...) on its output: no kernel, but a dispatch each in eager
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ class _Coarsener:
             return
         value = _Act(src.gid, meta, src.grad, node.name)
         self.values[node.name] = value
+        self.groups[src.gid].views += 1
         last = self.groups[-1] if self.groups else None
         # A leaf module's closing view (Conv1D's `view(*size_out)`) is its output's real shape.
         if last is not None and last.leaf and last.gid == src.gid and meta is not None \
@@ -247,6 +249,7 @@ class _Coarsener:
         target.kernels += g.kernels
         target.kernel_io_numel += g.kernel_io_numel
         target.kernel_io_wide_numel += g.kernel_io_wide_numel
+        target.views += g.views
         for a in g.inputs:
             if a.gid != target.gid and all(a.node != x.node for x in target.inputs):
                 target.inputs.append(a)

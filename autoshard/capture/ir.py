@@ -108,6 +108,12 @@ class Op:
     kernels: int = 0  # ATen kernels eager PyTorch launches for it in forward (views excluded)
     kernel_io_numel: int = 0  # per sample: elements those kernels read and write (batch-dim tensors only)
     kernel_io_wide_numel: int = 0  # of which float32 in a 16-bit model (upcasts): 4 bytes at any precision
+    views: int = 0  # view ops on its output (reshape, transpose, ...): no kernel, one eager dispatch each
+
+    @property
+    def dispatches(self) -> int:
+        """ATen ops eager PyTorch dispatches for it in forward: its kernels and the views of its output."""
+        return self.kernels + self.views
 
     @property
     def param_numel(self) -> int:

@@ -154,11 +154,18 @@ def _across_nodes_s(collective: str, nbytes: float, group: GroupPlacement, clust
 
 
 def collective_time_s(collective: str, nbytes: float, group: GroupPlacement, cluster) -> float:
-    """Seconds for one `collective` of `nbytes` on `group` of `cluster` (a ClusterSpec)."""
-    n, k, nodes = group.size, group.ranks_per_node, group.num_nodes
+    """Seconds for one `collective` of `nbytes` on `group` of `cluster` (a ClusterSpec), issued between
+    compute kernels (each link's `sync_us` added: see LinkProfile)."""
+    n, nodes = group.size, group.num_nodes
     if n <= 1 or nbytes <= 0:
         bus_factor(collective, 2)  # still reject unknown collectives
         return 0.0
+    link = cluster.intra if nodes == 1 else cluster.inter
+    return _collective_s(collective, nbytes, group, cluster) + link.sync_us * 1e-6
+
+
+def _collective_s(collective: str, nbytes: float, group: GroupPlacement, cluster) -> float:
+    n, k, nodes = group.size, group.ranks_per_node, group.num_nodes
     if collective == "p2p":
         return p2p_time_s(nbytes, cluster, same_node=nodes == 1)
     if nodes == 1:
@@ -181,4 +188,4 @@ def p2p_time_s(nbytes: float, cluster, *, same_node: bool) -> float:
         return 0.0
     link = cluster.intra if same_node else cluster.inter
     bw = link.busbw_gbps["p2p"] if same_node else link.busbw_gbps["p2p"] / cluster.gpus_per_node
-    return step_overhead_s(link, "p2p", nbytes, 2) + nbytes / (bw * 1e9)
+    return step_overhead_s(link, "p2p", nbytes, 2) + nbytes / (bw * 1e9) + link.sync_us * 1e-6

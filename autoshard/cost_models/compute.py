@@ -3,7 +3,9 @@
 GEMMs follow a roofline with tile and wave quantization (NVIDIA, "Matrix Multiplication Background User's
 Guide", 2023: cuBLAS computes an output in CTA tiles such as 256x128; tiles run in waves of one per SM, so
 a GEMM whose tile count is just above a multiple of the SM count wastes most of a wave). The arithmetic peak
-is the GPU's dense tensor-core peak times the measured large-GEMM efficiency of its profile. Everything that
+is the GPU's dense tensor-core peak times the measured large-GEMM efficiency of its profile. A profile that
+carries measured GEMM throughput by shape (`GPUProfile.gemm_tflops`, e.g. from `autoshard profile`) is
+interpolated instead: linearly in log2(m), log2(n), log2(k) over its grid, clamped to the grid's range. Everything that
 is not a matmul is memory-bound: bytes moved over the achievable HBM bandwidth. Every kernel also pays a
 fixed launch cost.
 """
@@ -15,7 +17,7 @@ import math
 from autoshard.hardware_profiles.profiles import GPUProfile
 
 __all__ = [
-    "gemm_time_s", "memory_bound_time_s", "fused_attention_time_s", "gemm_efficiency",
+    "gemm_time_s", "measured_gemm_tflops", "memory_bound_time_s", "fused_attention_time_s", "gemm_efficiency",
     "ATTENTION_KERNELS", "FLASH_BACKWARD_FLOPS_FACTOR", "attention_efficiency",
 ]
 
@@ -42,11 +44,47 @@ def gemm_efficiency(m: int, n: int, *, batch: int, num_sms: int) -> float:
     return best
 
 
+def measured_gemm_tflops(table: tuple, m: float, n: float, k: float) -> float:
+    """TFLOP/s at (m, n, k) from a measured grid of (m, n, k, TFLOP/s): trilinear in log2 of each dim, each
+    clamped to the grid (beyond the largest size the largest measured)."""
+    cache = _GRIDS.get(id(table))
+    if cache is None or cache[0] is not table:
+        axes = [sorted({row[i] for row in table}) for i in range(3)]
+        values = {(row[0], row[1], row[2]): row[3] for row in table}
+        if len(values) != math.prod(len(a) for a in axes):
+            raise ValueError("gemm_tflops must be a full grid over its m, n and k values")
+        cache = _GRIDS[id(table)] = (table, axes, values)
+    _, axes, values = cache
+    corners = [_bracket(ax, x) for ax, x in zip(axes, (m, n, k), strict=True)]
+    total = 0.0
+    for (m0, wm) in corners[0]:
+        for (n0, wn) in corners[1]:
+            for (k0, wk) in corners[2]:
+                total += wm * wn * wk * math.log(values[(m0, n0, k0)])
+    return math.exp(total)  # interpolated in log space: rates span orders of magnitude
+
+
+_GRIDS: dict[int, tuple] = {}
+
+
+def _bracket(axis: list[float], x: float) -> list[tuple[float, float]]:
+    if x <= axis[0] or len(axis) == 1:
+        return [(axis[0], 1.0)]
+    if x >= axis[-1]:
+        return [(axis[-1], 1.0)]
+    hi = next(i for i, a in enumerate(axis) if a >= x)
+    lo = hi - 1
+    w = (math.log2(x) - math.log2(axis[lo])) / (math.log2(axis[hi]) - math.log2(axis[lo]))
+    return [(axis[lo], 1.0 - w), (axis[hi], w)]
+
+
 def gemm_time_s(m: int, n: int, k: int, gpu: GPUProfile, *, batch: int = 1, bytes_per_elem: int = 2) -> float:
     """Time of `batch` GEMMs (m x k) @ (k x n) in 16-bit with fp32 accumulation."""
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
     flops = 2.0 * m * n * k * batch
+    if gpu.gemm_tflops:  # measured by shape; a batch of GEMMs runs like one taller GEMM
+        return flops / (measured_gemm_tflops(gpu.gemm_tflops, m * batch, n, k) * 1e12) + gpu.kernel_launch_us * 1e-6
     eff = gpu.max_gemm_efficiency * gemm_efficiency(m, n, batch=batch, num_sms=gpu.num_sms)
     t_math = flops / (gpu.peak_tflops * 1e12 * eff)
     t_mem = (m * k + k * n + m * n) * batch * bytes_per_elem / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)

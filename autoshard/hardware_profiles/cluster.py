@@ -7,7 +7,9 @@ Accepted by `ClusterSpec.parse`:
     64x8xA100-80GB@ib-hdr-4x200    the same GPU on another network
     2x16xV100-32GB                 more than 8 V100 per node is a DGX-2: nvswitch-v100, ib-edr-8x100
     1x4xcpu                        4 local CPU ranks (gloo over loopback)
-    my_cluster.yaml                a custom cluster: GPU and links by name or inline (see cluster_file.py)
+    my_cluster.yaml                a custom cluster: GPU and links by name or inline (see cluster_file.py),
+                                   e.g. what `autoshard profile -o my_cluster.yaml` measured
+    16x8@my_cluster.yaml           the same GPU and links, 16 nodes of 8
 
 Names match case-insensitively. Every mistake raises `ClusterSpecError` (a ValueError) whose one line says
 what was given, what is allowed and how to fix it. `text` is the canonical NODESxGPUSxGPU@NETWORK form; for a
@@ -56,6 +58,7 @@ _MAX_GPUS_ON_LINK = {
 _CUBE_MESH = "nvlink-v100-cube"
 _DGX2_LINKS = ("nvswitch-v100", "ib-edr-8x100")
 
+_SCALED_FILE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*@\s*(\S+\.ya?ml)\s*$", re.IGNORECASE)
 _SPEC_RE = re.compile(r"^\s*([+-]?\d+)\s*[xX]\s*([+-]?\d+)\s*[xX]\s*([^@\s]+)\s*(?:@\s*(\S+))?\s*$")
 _FORM = "NODESxGPUSxGPU[@NETWORK] such as 16x8xA100-80GB or 64x8xA100-80GB@ib-hdr-4x200, or a .yaml file"
 
@@ -143,6 +146,11 @@ class ClusterSpec:
     @classmethod
     def parse(cls, text: str | os.PathLike) -> ClusterSpec:
         """A spec string NODESxGPUSxGPU[@NETWORK] or the path of a .yaml cluster file (see the module doc)."""
+        scaled = _SCALED_FILE_RE.match(text) if isinstance(text, str) else None
+        if scaled:
+            from autoshard.hardware_profiles.cluster_file import read_cluster_file  # imports this module
+
+            return read_cluster_file(Path(scaled[3]), nodes=int(scaled[1]), gpus_per_node=int(scaled[2]))
         if isinstance(text, os.PathLike) or (
             isinstance(text, str) and text.strip().lower().endswith((".yaml", ".yml"))
         ):

@@ -41,10 +41,14 @@ __all__ = ["read_cluster_file", "YAML_KEYS"]
 
 YAML_KEYS = ("nodes", "gpus_per_node", "gpu", "intra", "inter", "memory_gib")
 _NUMBERS = ("peak_tflops", "fp32_tflops", "hbm_gbps", "memory_gib", "num_sms", "max_gemm_efficiency")
-_NUMBERS += ("hbm_efficiency", "kernel_launch_us", "gpus_per_node", "latency_us")
+_NUMBERS += ("hbm_efficiency", "kernel_launch_us", "gpus_per_node", "latency_us", "overlap_slowdown",
+             "dtensor_us_per_op", "flash_attention_efficiency", "memory_efficient_attention_efficiency",
+             "fsdp_us_per_module", "optimizer_us_per_tensor", "sync_us", "transcendental_gelem_per_s")
 
 
-def read_cluster_file(path: Path) -> ClusterSpec:
+def read_cluster_file(path: Path, *, nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
+    """The cluster a YAML file describes; `nodes` / `gpus_per_node` replace its counts (`NxG@FILE`: a profile
+    measured on a few nodes, used for another size)."""
     where = f"cluster file {str(path)!r}"
     if not path.is_file():
         raise ClusterSpecError(
@@ -66,10 +70,8 @@ def read_cluster_file(path: Path) -> ClusterSpec:
             f"{where} has {problem}; allowed keys: {', '.join(YAML_KEYS)} "
             f"(nodes, gpus_per_node and gpu are required)"
         )
-    nodes, gpus_per_node = (
-        _count(data["nodes"], "nodes", where),
-        _count(data["gpus_per_node"], "gpus_per_node", where),
-    )
+    nodes = nodes or _count(data["nodes"], "nodes", where)
+    gpus_per_node = gpus_per_node or _count(data["gpus_per_node"], "gpus_per_node", where)
     gpu = _yaml_gpu(data["gpu"], data, gpus_per_node, where)
     default_intra, default_inter = default_link_names(gpu, gpus_per_node)
     intra = _yaml_link(data.get("intra"), "intra", default_intra, where)

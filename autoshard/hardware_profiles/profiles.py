@@ -48,6 +48,17 @@ class GPUProfile:
     # Measured GEMM throughput by shape, ((m, n, k, TFLOP/s), ...) on a grid: efficiency is interpolated in
     # it (cost_models/compute.py). Empty: max_gemm_efficiency x tile and wave quantization.
     gemm_tflops: tuple = ()
+    # Extra host time of one op on DTensors (sharding propagation), for plans with tensor-parallel axes: the
+    # runtime's ops run on DTensors there (runtime/parallel_module.py). Matters where the host is the device.
+    dtensor_us_per_op: float = 0.0
+    # Host time FSDP2 adds per module it manages, per micro-batch (forward and backward hooks), and of an
+    # AdamW step per parameter tensor: they count where the host is the device (CPU ranks) and where a GPU
+    # waits for its host (small models).
+    fsdp_us_per_module: float = 0.0
+    optimizer_us_per_tensor: float = 0.0
+    # Elements per second (billions) of a transcendental pointwise kernel (tanh-GELU, SiLU, exp): on CPU ranks
+    # these run well below memory bandwidth. 0: such kernels are memory-bound like any other (GPUs).
+    transcendental_gelem_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_networks", tuple(self.allowed_networks))  # YAML gives a list
@@ -88,6 +99,10 @@ class LinkProfile:
     latency_us: float  # per algorithm step (one hop of a ring)
     sources: dict[str, str] = field(default_factory=dict)
     busbw_curve: dict = field(default_factory=dict)
+    # Extra cost of a collective that sits between compute kernels (a tensor-parallel all-reduce): ranks
+    # reach it at different times and the first wait for the last. Measured on CPU ranks, where the OS
+    # schedules ranks that share cores; 0 where the collective runs on its own engine behind queued kernels.
+    sync_us: float = 0.0
 
     def __post_init__(self) -> None:
         if self.scope not in ("intra", "inter"):

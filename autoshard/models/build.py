@@ -175,8 +175,11 @@ def _gpt(spec: ModelSpec) -> nn.Module:
         return GQAGPT(layers=spec.layers, hidden=spec.hidden, heads=spec.heads, kv_heads=spec.num_kv_heads,
                       ffn=spec.ffn_size, vocab=spec.vocab or 51200, seq=spec.seq)
     tf = _transformers()
+    # gelu_pytorch_tanh: GPT-2's tanh-approximated GELU as one kernel, as Megatron-LM's fused bias-GeLU and
+    # llm-foundry run it (transformers' default gelu_new composes eight pointwise kernels for the same function)
     cfg = tf.GPT2Config(n_layer=spec.layers, n_embd=spec.hidden, n_head=spec.heads, vocab_size=spec.vocab or 51200,
                         n_positions=spec.seq, n_inner=spec.ffn or None, use_cache=False,
+                        activation_function="gelu_pytorch_tanh",
                         bos_token_id=0, eos_token_id=0, attn_implementation=_hf_attn(spec))
     return tf.GPT2LMHeadModel(cfg)
 

@@ -45,6 +45,13 @@ class PlanContext:
     def gpu(self):
         return self.cluster.gpu
 
+    @property
+    def on_dtensors(self) -> bool:
+        """The runtime runs the ops on DTensors: with tensor-parallel axes, and in pipeline stages that span
+        more than one rank (runtime/pipeline.py applies each stage in SPMD mode)."""
+        pp = self.mesh.degree("pp")
+        return bool(self.mesh.tp_axes) or (pp > 1 and self.mesh.size // pp > 1)
+
     def group(self, axes: tuple[str, ...]) -> GroupPlacement:
         """Placement of a group along `axes` (ranks row-major over the mesh, tensor-parallel innermost)."""
         key = ("group", axes)

@@ -30,7 +30,12 @@ from dataclasses import dataclass
 from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
 from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.cost_models.compute import memory_bound_time_s
-from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes, tensor_bytes
+from autoshard.cost_models.memory import (
+    ALLOCATOR_FRAGMENTATION,
+    framework_overhead_bytes,
+    optimizer_step_bytes,
+    tensor_bytes,
+)
 from autoshard.cost_models.overlap import exposed_comm_s
 from autoshard.planner.cache import graph_cache
 from autoshard.planner.context import PlanContext
@@ -152,6 +157,7 @@ class _Stage:
     units: int = 0
     memory: MemoryBreakdown = MemoryBreakdown()
     params: float = 0.0  # local parameter count (optimizer step)
+    param_tensors: int = 0  # parameter tensors the optimizer steps through (its per-tensor host cost)
     saved: float = 0.0
     transient: float = 0.0
     recompute_peak: float = 0.0  # one block's activations, re-materialized in its backward
@@ -189,6 +195,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.dp_bwd += n * c.dp_bwd_s
             st.dp_iter += n * c.dp_iter_s
             st.params += n * c.optim_bytes / _optim_bytes_per_param(ctx)  # the step runs on the shard
+            st.param_tensors += n * sum(1 for p in op.params if p.owner)
             st.memory = st.memory + MemoryBreakdown(params_bytes=n * c.param_bytes, grads_bytes=n * c.grad_bytes,
                                                     optimizer_bytes=n * c.optim_bytes)
             st.saved += n * c.saved_bytes
@@ -201,6 +208,9 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             stages[k].tp += n * t
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
+        loss = loss_s(graph.op(name).output_meta, ctx)
+        stages[stage[name]].fwd += loss
+        stages[stage[name]].bwd += loss
     units = stage_units(graph, pipe, stage)
     for k, st in enumerate(stages):
         st.units = units[k]
@@ -210,6 +220,15 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
 
 def _optim_bytes_per_param(ctx: PlanContext) -> float:
     return ctx.precision.master_bytes + ctx.precision.optim_bytes
+
+
+def loss_s(output: TensorMeta, ctx: PlanContext) -> float:
+    """Seconds of the training loss on one micro-batch's output, forward or backward: cross-entropy over
+    logits is log_softmax then nll_loss in fp32 (the logits upcast first), about three fp32 passes each way
+    and four kernels; outputs without a batch dim or that are not floating point cost nothing."""
+    if not output.batch_dims or not output.dtype.startswith(("float", "bfloat")):
+        return 0.0
+    return memory_bound_time_s(3 * output.numel * ctx.micro_batch * 4, ctx.gpu, kernels=4)
 
 
 def stage_units(graph: OpGraph, pipe: PipelineSpec, stage: dict[str, int]) -> list[int]:
@@ -264,25 +283,43 @@ def stage_exposed_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) ->
     return dp, tp
 
 
+def core_share(ctx: PlanContext) -> float:
+    """The fraction of a core each rank gets when all ranks of a node compute at once: CPU ranks that
+    outnumber the node's cores (`num_sms` of a CPU profile) share them; GPUs have their own device."""
+    gpu = ctx.gpu
+    if gpu.device != "cpu":
+        return 1.0
+    return min(1.0, gpu.num_sms / ctx.cluster.gpus_per_node)
+
+
 def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int):
-    """(total seconds, TimeBreakdown, slowest stage time per micro-batch, per-stage times)."""
+    """(total seconds, TimeBreakdown, slowest stage time per micro-batch, per-stage times).
+
+    Ranks sharing cores (`core_share` < 1) compute at their share while all of them are busy; a pipeline's
+    bubble leaves some idle, so its step is the longer of the schedule at full speed and the stages' work at
+    their share (the cores are busy either way)."""
     p, v = pipe.degree, pipe.virtual_stages
-    per_mb = []
+    share = core_share(ctx)
+    full, shared = [], []
     for st in stages:
         dp, tp = stage_exposed_s(st, ctx, pipe, m)
         p2p = 2 * v * ctx.p2p_s(st.boundary_bytes) if p > 1 else 0.0
-        per_mb.append(st.fwd + st.bwd + tp + dp + p2p)
-    t = max(per_mb)
-    slow = per_mb.index(t)
-    steady, bubble = m * t, pipeline_fill(pipe) * t
+        full.append(st.fwd + st.bwd + tp + dp + p2p)
+        shared.append((st.fwd + st.bwd) / share + tp + dp + p2p)
+    fill = pipeline_fill(pipe)
+    t, t_shared = max(full), max(shared)
+    slow = full.index(t)
+    steady_and_fill = max((m + fill) * t, m * t_shared)
+    bubble = steady_and_fill - m * t_shared
     # the per-iteration gradient reduction overlaps the last micro-batch's backward
     sync = max(exposed_comm_s(st.bwd, st.dp_iter, units=st.units, slowdown=ctx.gpu.overlap_slowdown)
                for st in stages)
-    opt = max(memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision), ctx.gpu) for st in stages)
-    compute = m * (stages[slow].fwd + stages[slow].bwd)
-    breakdown = TimeBreakdown(compute_s=compute, exposed_comm_s=steady - compute + sync, bubble_s=bubble,
+    opt = max(memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision), ctx.gpu)
+              + st.param_tensors * ctx.gpu.optimizer_us_per_tensor * 1e-6 for st in stages) / share
+    compute = m * (stages[slow].fwd + stages[slow].bwd) / share
+    breakdown = TimeBreakdown(compute_s=compute, exposed_comm_s=m * t_shared - compute + sync, bubble_s=bubble,
                               optimizer_s=opt)
-    return breakdown.total_s, breakdown, per_mb
+    return breakdown.total_s, breakdown, full
 
 
 def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) -> list[MemoryBreakdown]:
@@ -290,8 +327,10 @@ def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) 
     out = []
     for i, st in enumerate(stages):
         acts = st.saved * inflight_microbatches(i, pipe, m) + st.recompute_peak
+        dynamic = acts + 2 * st.transient  # allocated and freed every step: what fragments the allocator's pool
         out.append(st.memory + MemoryBreakdown(activations_bytes=acts, transient_bytes=2 * st.transient,
-                                               other_bytes=framework_overhead_bytes(groups)))
+                                               other_bytes=framework_overhead_bytes(groups)
+                                               + ALLOCATOR_FRAGMENTATION * dynamic))
     return out
 
 

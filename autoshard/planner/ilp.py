@@ -29,7 +29,8 @@ Constraints
     S_k >= G_k·(1 - 1/u_k) - B_k,  S_k >= G_k·(1 - 1/u_k)·(1 - 1/slow)  gradient-sync overlap
     (with --tp-comm-overlap P_k enters as P_k/u_k + Et_k, Et_k overlapping F_k + B_k like ZeRO traffic)
     R_k >= trans[o,s] x[o,s]  for o in stage k                         largest gathered buffer  (`_memory`)
-    sum_o sum_s (n_k(o)·(state + inflight_k·saved) + peak)[o,s] x[o,s] + 2 R_k + other <= cap   (`_memory`)
+    sum_o sum_s (n_k(o)·(state + f·inflight_k·saved) + f·peak)[o,s] x[o,s] + 2f·R_k + other <= cap   (`_memory`)
+      (f = 1 + allocator fragmentation, on what is allocated every step)
       (peak: a recomputed block's activations, live while that one block runs backward)
     placements of a shared parameter agree across the ops that use it                        (`_tied_params`)
 
@@ -50,7 +51,7 @@ import pulp
 
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.breakdown import GIB
-from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
+from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION, framework_overhead_bytes, optimizer_step_bytes
 from autoshard.planner.context import PlanContext
 from autoshard.planner.evaluate import (
     inflight_microbatches,
@@ -267,14 +268,16 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize):
     for k in range(pipe.degree):
         inflight = inflight_microbatches(k, pipe, ctx.num_microbatches)
         R = _var(lp, f"R_{k}", lowBound=0)
-        terms = [(R, 2.0)]
+        frag = 1.0 + ALLOCATOR_FRAGMENTATION  # on what is allocated per step (evaluate._memory)
+        terms = [(R, 2.0 * frag)]
         for op in tg.ops:
             n = tg.per_stage[op.name][k]
             if not n:
                 continue
             for i, c in enumerate(costs[op.name]):
                 v = x[StratVar(op.name, i)]
-                terms.append((v, (n * (c.state_bytes + inflight * c.saved_bytes) + c.recompute_peak_bytes) / GIB))
+                terms.append((v, (n * (c.state_bytes + frag * inflight * c.saved_bytes)
+                                  + frag * c.recompute_peak_bytes) / GIB))
                 if c.transient_bytes:
                     lp += pulp.LpConstraint(_aff([(R, 1.0), (v, -c.transient_bytes / GIB)]), pulp.LpConstraintGE,
                                             rhs=0)

@@ -38,6 +38,9 @@ from autoshard.planner.plan import OpStrategy
 __all__ = ["OpCost", "EdgeCost", "op_cost", "edge_cost", "grad_partial_axes", "score_shaped"]
 
 _TOKEN = (BATCH, SEQ)
+# pointwise ATen ops that evaluate a transcendental function per element (GPUProfile.transcendental_gelem_per_s)
+TRANSCENDENTAL = frozenset({"gelu", "silu", "tanh", "sigmoid", "exp", "log", "erf", "softplus", "mish", "sin",
+                            "cos", "rsqrt", "sqrt", "pow"})
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,28 @@ def grad_partial_axes(strategy: OpStrategy) -> frozenset[str]:
 
 # -- compute ----------------------------------------------------------------------------------------------
 def _compute_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
+    """(forward, backward) seconds of the op's kernels, plus, on a mesh with tensor-parallel axes, the host
+    cost of running them on DTensors (the runtime's ops run on DTensors there; a backward kernel per forward
+    kernel and gradient)."""
+    fwd, bwd = _kernels_s(op, st, ctx)
+    gpu = ctx.gpu
+    if gpu.device == "cpu":  # the host is the device: views dispatch too (on a GPU the host runs ahead)
+        views = op.views * gpu.kernel_launch_us * 1e-6
+        fwd, bwd = fwd + views, bwd + views
+    if ctx.on_dtensors and gpu.dtensor_us_per_op:
+        host = gpu.dtensor_us_per_op * 1e-6 * max(1, op.dispatches)
+        fwd, bwd = fwd + host, bwd + 2 * host
+    owned = [p for p in op.params if p.owner]
+    if owned:  # autograd accumulates each parameter's gradient: one add per parameter (read twice, write once)
+        local = sum(p.numel for p in owned) / max(1, _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1)
+        bwd += memory_bound_time_s(3 * local * ctx.precision.grad_bytes, gpu, kernels=len(owned))
+    if ctx.mesh.degree("dp") > 1 and gpu.fsdp_us_per_module and any(p.owner for p in op.params):
+        hooks = gpu.fsdp_us_per_module * 1e-6 / 2  # FSDP2's hooks on the module: half before forward, half in backward
+        fwd, bwd = fwd + hooks, bwd + hooks
+    return fwd, bwd
+
+
+def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     gpu, mb, prec = ctx.gpu, ctx.micro_batch, ctx.precision
     ins = st.inputs[0] if st.inputs else st.output
     if op.kind in (OpKind.LINEAR, OpKind.CONV) and op.gemm is not None:
@@ -144,6 +169,9 @@ def _compute_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
         nbytes = ((op.kernel_io_numel - wide) * prec.act_bytes + wide * 4) * mb / split
         kernels = max(1, op.kernels)
     fwd = memory_bound_time_s(nbytes, gpu, kernels=kernels)
+    if gpu.transcendental_gelem_per_s:  # tanh-GELU, SiLU, exp...: compute-bound on CPU ranks
+        n = sum(1 for a in op.aten if a in TRANSCENDENTAL)
+        fwd += n * op.output_meta.numel * mb / split / (gpu.transcendental_gelem_per_s * 1e9)
     return fwd, 2 * fwd if op.kind is not OpKind.EMBEDDING else fwd
 
 

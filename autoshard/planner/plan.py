@@ -52,8 +52,10 @@ class OpStrategy:
 
     `inputs` are the layouts the op computes on (one per activation input, aligned with `Op.inputs`); the
     runtime redistributes to them. `output` is the layout the op produces (P for a row-parallel Linear).
-    `zero`: 0 parameters replicated over dp (gradients all-reduced); 2 gradients and optimizer states sharded
-    over dp (FSDP SHARD_GRAD_OP); 3 parameters sharded too, gathered for each use (FULL_SHARD). `split`: OSDP
+    `zero`: 0 parameters replicated over dp (gradients all-reduced once per step); 1 optimizer states sharded
+    (gradients reduce-scattered once per step, parameters gathered once: Megatron's distributed optimizer);
+    2 gradients sharded too, reduce-scattered after every micro-batch (FSDP SHARD_GRAD_OP); 3 parameters
+    sharded too, gathered for each use (FULL_SHARD). `split`: OSDP
     operator splitting into that many slices along the input dim. `save_sharded_input`: keep the input shard
     for backward and gather it again there (sequence parallelism, Korthikanti et al. 2022).
     """

@@ -32,7 +32,7 @@ __all__ = ["TPOption", "linear_tp_options", "layout_vocabulary", "strategies_for
 
 # Ops off the gradient path (inputs, masks) have no strategy: every rank computes them locally.
 PLANNED_KINDS = tuple(k for k in OpKind if k not in (OpKind.INPUT, OpKind.INDEX))
-ZERO_OPTIONS = (0, 2, 3)  # the planner's sharded-DP levels (1 is priced for hand configs only)
+ZERO_OPTIONS = (0, 1, 2, 3)  # sharded-DP levels: replicated, optimizer states, + gradients, + parameters
 SPLIT_OPTIONS = (1, 2, 4)  # OSDP operator splitting of ZeRO-3 Linears
 
 

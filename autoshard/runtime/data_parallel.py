@@ -51,7 +51,7 @@ from autoshard.runtime.specs import ModuleSpec, param_owners
 from autoshard.runtime.split import SplitLinear, split_linear
 from autoshard.runtime.tensor_parallel import ModuleRuntime
 
-__all__ = ["apply_operator_splitting", "apply_sharded_data_parallel", "apply_plain_data_parallel"]
+__all__ = ["apply_operator_splitting", "apply_sharded_data_parallel", "apply_plain_data_parallel", "set_microbatch"]
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,24 @@ def _dp_shard_dim(param: nn.Parameter) -> Shard | None:
     return None
 
 
+def _tag(modules: list[nn.Module], zero: int) -> None:
+    """Remember each FSDP unit's ZeRO level: `set_microbatch` steers gradient accumulation by it."""
+    for module in modules:
+        module._autoshard_zero = zero
+
+
+def set_microbatch(model: nn.Module, *, last: bool) -> None:
+    """Before each micro-batch of a step, what the cost model prices per ZeRO level (planner/opcost.py):
+    ZeRO-0 all-reduces and ZeRO-1 reduce-scatters the accumulated gradients once, after the last micro-batch;
+    ZeRO-2 and -3 reduce-scatter after every micro-batch. ZeRO-1 and -2 keep the parameters gathered from the
+    first forward to the last backward (one all-gather per step), ZeRO-3 re-gathers them every time."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            zero = getattr(module, "_autoshard_zero", 0)
+            module.set_requires_gradient_sync(last or zero >= 2, recurse=False)
+            module.set_reshard_after_backward(last or zero == 3, recurse=False)
+
+
 def _dims(zero: int) -> DataParallelMeshDims:
     return DataParallelMeshDims(shard="dp") if zero > 0 else DataParallelMeshDims(replicate="dp")
 
@@ -161,7 +179,9 @@ def apply_sharded_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], 
     for modules, zero in _groups(model, specs):
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, dp_mesh_dims=_dims(zero),
                     reshard_after_forward=zero == 3, shard_placement_fn=_dp_shard_dim if zero > 0 else None)
+        _tag(modules, zero)
     fully_shard(model, mesh=mesh, dp_mesh_dims=_dims(0), reshard_after_forward=False)
+    _tag([model], 0)
     for module in model.modules():  # gradients are exact global sums already (parallel_module._to_local)
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -203,4 +223,6 @@ def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], me
     for modules, zero in _groups(model, specs):
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=zero == 3,
                     mesh=mesh if zero > 0 else replicate_mesh(mesh))
+        _tag(modules, zero)
     fully_shard(model, mesh=replicate_mesh(mesh) if leftovers else mesh, reshard_after_forward=False)
+    _tag([model], 0 if leftovers else 2)

@@ -137,6 +137,24 @@ def _build(plan: Plan, device: torch.device, seed: int):
     return loaded
 
 
+def _cluster_of(plan: Plan, cluster):
+    """The job's cluster: the one given, else the plan's; a plan made on a cluster file that is not at hand
+    (its text names the file's GPU and links) runs as CPU ranks or GPUs, whichever this job has."""
+    from autoshard.errors import ClusterSpecError
+    from autoshard.hardware_profiles import ClusterSpec
+
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    try:
+        return ClusterSpec.parse(cluster or plan.cluster)
+    except ClusterSpecError:
+        if cluster is not None:
+            raise
+        world = dist.get_world_size() if dist.is_initialized() else plan.mesh.size
+        return ClusterSpec.parse(f"1x{world}xcpu") if not torch.cuda.is_available() else \
+            ClusterSpec.parse(f"1x{world}xH100-80GB")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -156,10 +174,7 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
 
     if steps < 1 or warmup < 0:
         raise ConfigurationError(f"measure needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    cluster = cluster or plan.cluster
-    from autoshard.hardware_profiles import ClusterSpec
-
-    spec = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec.parse(cluster)
+    spec = _cluster_of(plan, cluster)
     device = torch.device("cpu") if spec.gpu.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
     loaded = _build(plan, device, seed)
     example = tuple(x.to(device) for x in loaded.example_inputs(2, device="cpu"))

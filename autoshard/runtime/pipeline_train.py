@@ -5,7 +5,8 @@
                    parameters tied across stages get the sum of their gradients, and the loss (sum over the
                    m micro-batches = their mean) is broadcast from the last stage and averaged over dp;
     not pipelined  the ParallelModule's forward and `backward()` per micro-batch (depth-first gradient
-                   accumulation; FSDP reduces once, after the last one), the loss averaged over dp.
+                   accumulation; each FSDP unit reduces and re-gathers as its ZeRO level says:
+                   data_parallel.set_microbatch), the loss averaged over dp.
 
 Either way the gradients end up in this rank's parameters under their original names, summed into `.grad`
 like `backward()` does, and the returned loss is a 0-dim tensor equal on every rank.
@@ -26,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.errors import ConfigurationError
 from autoshard.planner.plan import Plan
+from autoshard.runtime.data_parallel import set_microbatch
 from autoshard.runtime.failure import distributed_phase
 from autoshard.runtime.pipeline_split import ChunkFamily, PipelineChunk, TiedCopy
 
@@ -184,8 +186,8 @@ def _spmd_step(model: nn.Module, inputs: tuple, target: torch.Tensor) -> torch.T
     fsdp = isinstance(model, FSDPModule) and n > 1
     total = torch.zeros((), dtype=torch.float32)
     for i in range(n):
-        if fsdp:  # accumulate unreduced gradients; reduce once, after the last micro-batch
-            model.set_requires_gradient_sync(i == n - 1)
+        if fsdp:
+            set_microbatch(model, last=i == n - 1)
         loss = loss_fn(model(*(p[i] for p in pieces)), targets[i]) / n
         loss.backward()
         total += loss.detach().float()

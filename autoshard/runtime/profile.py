@@ -1,0 +1,422 @@
+"""`autoshard profile`: measure what the cost model needs on the ranks of this job, and write a cluster file.
+
+Collectives run on all groups of a size at once (the world cut into groups of 2, 4, ...), as a training step
+runs them; point-to-point between rank pairs. Kernels run on every rank at once on GPUs; on CPU ranks, on
+one rank per core (`num_sms` records the cores): ranks that outnumber the cores share them, which the cost
+model applies per phase (all ranks busy in data parallelism, some idle in a pipeline's bubble). Host costs
+that need every rank (DTensor dispatch, FSDP hooks, the optimizer on DTensor parameters) are measured with
+all ranks and scaled back to one core's worth. Each figure is the median over repetitions and then over ranks.
+
+    gemm        TFLOP/s of (m x k) @ (k x n) over a grid of shapes, in the training dtype (bf16 on GPUs,
+                fp32 on CPU ranks): the cost model interpolates in it (`GPUProfile.gemm_tflops`)
+    memory      GB/s of a streaming kernel (read + write) and the cost of one tiny kernel (dispatch + launch)
+    attention   scaled_dot_product_attention forward + backward, causal and masked: fraction of peak
+    host        per ATen op as autograd runs it; the extra of an op on DTensors (tensor-parallel plans run their
+                ops on them); per module an FSDP unit manages, per forward + backward; per parameter tensor of
+                an AdamW step on FSDP's DTensor parameters
+    overlap     how much slower GEMMs run while an all-reduce runs beside them
+    collectives bus bandwidth of all-reduce, all-gather, reduce-scatter, all-to-all, broadcast by message size
+                per group size inside a node and, on several nodes, one rank per node; p2p send/recv
+
+The result is a cluster YAML (`hardware_profiles/cluster_file.py` format) whose GPU and links are these
+measurements, each with its source line; `--cluster FILE` takes it, and `NODESxGPUS@FILE` reuses it for
+another number of nodes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["profile_cluster", "GRIDS"]
+
+GRIDS = {  # GEMM dims per (device, quick)
+    ("cpu", True): (64, 256, 1024), ("cpu", False): (64, 256, 1024, 2048),
+    ("cuda", True): (256, 1024, 4096), ("cuda", False): (256, 1024, 4096, 8192, 16384),
+}
+_SIZES = {True: [4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20], False: [4 << 10 << 2 * i for i in range(10)]}
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+           "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+class _Ctx:
+    def __init__(self, device: torch.device, quick: bool, progress: Callable[[str], None] | None) -> None:
+        self.device, self.quick, self.progress = device, quick, progress
+        self.dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.budget_s = 0.05 if quick else 0.25  # time spent per measured point and rank
+        cores = os.cpu_count() or 1
+        # CPU ranks beyond the cores share them: kernels are measured on one rank per core, others idle
+        self.cores = cores if device.type == "cpu" else self.per_node
+        self.share = min(1.0, self.cores / self.per_node)
+        self.active = device.type != "cpu" or self.rank % self.per_node < self.cores
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, fn: Callable[[], object], *, reps: int | None = None) -> float:
+        """Median seconds of `fn` on every rank at once, the median over ranks."""
+        fn()  # warm-up (allocations, kernel selection, communicator set-up)
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        once = torch.tensor([max(time.perf_counter() - t0, 1e-7)], dtype=torch.float64)
+        dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank runs the same number of repetitions
+        reps = reps or max(2, min(50, int(self.budget_s / once.item())))
+        samples = []
+        dist.barrier()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            samples.append(time.perf_counter() - t0)
+        return self.across_ranks(statistics.median(samples))
+
+    def busy(self, fn: Callable[[], object], *, every_rank: bool = False) -> float:
+        """Seconds per call of `fn` run back to back for the same wall time on the active ranks (one per core
+        on CPU; `every_rank`: all ranks, for work with collectives inside), the median over them."""
+        active = self.active or every_rank
+        if active:
+            fn()
+            self.sync()
+        window = self.budget_s * 4
+        dist.barrier()
+        per_call = None
+        if active:
+            t0, calls = time.perf_counter(), 0
+            while True:
+                fn()
+                calls += 1
+                self.sync()
+                if time.perf_counter() - t0 >= window:
+                    break
+            per_call = (time.perf_counter() - t0) / calls
+        dist.barrier()
+        return self.across_ranks(per_call)
+
+    def across_ranks(self, value: float | None) -> float:
+        out = [None] * self.world
+        dist.all_gather_object(out, value)
+        return statistics.median(v for v in out if v is not None)
+
+    def say(self, msg: str) -> None:
+        if self.progress is not None and self.rank == 0:
+            self.progress(msg)
+
+
+def _gemm(c: _Ctx) -> list[list[float]]:
+    rows, grid = [], GRIDS[(c.device.type, c.quick)]
+    for m in grid:
+        for n in grid:
+            for k in grid:
+                a = torch.randn(m, k, device=c.device, dtype=c.dtype)
+                b = torch.randn(k, n, device=c.device, dtype=c.dtype)
+                t = c.busy(lambda a=a, b=b: torch.mm(a, b))
+                rows.append([m, n, k, round(2 * m * n * k / t / 1e12, 6)])
+        c.say(f"gemm m={m}: {len(rows)} of {len(grid) ** 3} shapes")
+    return rows
+
+
+def _memory(c: _Ctx) -> tuple[float, float]:
+    """(GB/s of a large elementwise add counting read + write, seconds of one tiny kernel)."""
+    n = (64 << 20) // 4
+    x, y = torch.randn(n, device=c.device), torch.randn(n, device=c.device)
+    out = torch.empty_like(x)
+    t = c.busy(lambda: torch.add(x, y, out=out))
+    gbps = 3 * n * 4 / t / 1e9
+    # a tiny op as training runs it: recorded by autograd in forward, its gradient kernel in backward
+    leaf, other = torch.ones(16, device=c.device, requires_grad=True), torch.ones(16, device=c.device)
+
+    def chain():
+        x = leaf
+        for _ in range(100):
+            x = x * other
+        x.sum().backward()
+
+    per_op = c.busy(chain) / 200
+    return gbps, per_op
+
+
+def _transcendental(c: _Ctx) -> float:
+    """Billions of elements per second of tanh-GELU, forward (its backward costs the same)."""
+    import torch.nn.functional as F
+
+    x = torch.randn(1 << 20, device=c.device, dtype=c.dtype)
+    return (1 << 20) / c.busy(lambda: F.gelu(x, approximate="tanh")) / 1e9
+
+
+def _attention(c: _Ctx, peak_tflops: float) -> tuple[float, float]:
+    """(causal, masked) fused attention forward + backward as a fraction of `peak_tflops`; FLOPs counted as
+    the cost model counts them: 4·b·h·s²·d forward (capture/flops.py), 2.5x that backward."""
+    import torch.nn.functional as F
+
+    b, h, s, d = (2, 8, 512, 64) if c.device.type == "cpu" else (4, 16, 4096, 128)
+    q, k, v = (torch.randn(b, h, s, d, device=c.device, dtype=c.dtype, requires_grad=True) for _ in range(3))
+    mask = torch.ones(s, s, device=c.device, dtype=torch.bool).tril()
+    flops = 4 * b * h * s * s * d * 3.5
+    out = []
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        def step(kwargs=kwargs):
+            y = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            y.sum().backward()
+        out.append(min(1.0, flops / c.busy(step) / (peak_tflops * 1e12)))
+    return out[0], out[1]
+
+
+def _dtensor_us(c: _Ctx) -> float:
+    """Extra host microseconds of an op on replicated DTensors over the same op on plain tensors, on one
+    core's worth of CPU (measured on every rank, which the mesh needs, and scaled by the core share)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh(c.device.type, (c.world,))
+    a = distribute_tensor(torch.ones(16, device=c.device), mesh, [Replicate()])
+    plain = torch.ones(16, device=c.device)
+    t_d = c.busy(lambda: [torch.add(a, a) for _ in range(50)], every_rank=True) / 50
+    t_p = c.busy(lambda: [torch.add(plain, plain) for _ in range(50)], every_rank=True) / 50
+    return max(0.0, (t_d - t_p) * 1e6 * c.share)
+
+
+def _fsdp_us(c: _Ctx) -> float:
+    """Host microseconds FSDP2 adds per module of a unit per forward + backward (its hooks), with parameters
+    too small for their collectives to matter: a unit of 16 Linear(8, 8) with and without fully_shard."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(16)]).to(c.device)
+
+    x = torch.ones(4, 8, device=c.device)
+    plain, sharded = model(), model()
+    mesh = init_device_mesh(c.device.type, (c.world,))
+    fully_shard(list(sharded), mesh=mesh)
+    fully_shard(sharded, mesh=mesh)  # the root, which FSDP requires
+    t_plain = c.timed(lambda: plain(x).sum().backward())
+    t_fsdp = c.timed(lambda: sharded(x).sum().backward())
+    return max(0.0, (t_fsdp - t_plain) / 16 * 1e6 * c.share)
+
+
+def _optimizer_us(c: _Ctx) -> float:
+    """Host microseconds of an AdamW step per parameter tensor, on FSDP2's DTensor parameters (tiny ones:
+    the per-tensor cost, not the bandwidth)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(c.device.type, (c.world,))
+    params = [torch.nn.Parameter(distribute_tensor(torch.ones(c.world * 4, device=c.device), mesh, [Shard(0)]))
+              for _ in range(32)]
+    for q in params:
+        q.grad = torch.zeros_like(q)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    return c.busy(opt.step, every_rank=True) / len(params) * 1e6 * c.share
+
+
+def _overlap(c: _Ctx) -> float:
+    """GEMM time while an all-reduce runs beside it over GEMM time alone (>= 1)."""
+    n = 1024 if c.device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=c.device, dtype=c.dtype)
+    alone = c.busy(lambda: torch.mm(a, a), every_rank=True)  # the same ranks busy as with the all-reduce
+    buf = torch.randn((256 << 20) // 4 if c.device.type == "cuda" else (16 << 20) // 4, device=c.device)
+    comm = c.timed(lambda: dist.all_reduce(buf), reps=3)
+    reps = max(1, int(comm / alone))  # GEMMs that fit inside one all-reduce
+    dist.barrier()
+    work = dist.all_reduce(buf, async_op=True)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, a)
+    c.sync()
+    busy = (time.perf_counter() - t0) / reps
+    work.wait()
+    return max(1.0, c.across_ranks(busy) / alone)
+
+
+def _collective(name: str, nbytes: int, group, g: int, device) -> Callable[[], object]:
+    numel = max(g, nbytes // 4 // g * g)
+    if name == "all_reduce":
+        t = torch.ones(numel, device=device)
+        return lambda: dist.all_reduce(t, group=group)
+    if name == "all_gather":
+        out, inp = torch.empty(numel, device=device), torch.ones(numel // g, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(out, inp, group=group)
+    if name == "reduce_scatter":
+        out, inp = torch.empty(numel // g, device=device), torch.ones(numel, device=device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(out, inp, group=group)
+    if name == "all_to_all":
+        out, inp = torch.empty(numel, device=device), torch.ones(numel, device=device)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    t = torch.ones(numel, device=device)
+    src = dist.get_global_rank(group, 0)
+    return lambda: dist.broadcast(t, src=src, group=group)
+
+
+def _groups(c: _Ctx) -> list[tuple[str, int, list[list[int]]]]:
+    """(link, size, partition of the world) for every group shape measured: powers of two inside a node,
+    contiguous; one rank per node across nodes."""
+    out = []
+    g = 2
+    while g <= c.per_node:
+        out.append(("intra", g, [list(range(s, s + g)) for s in range(0, c.world, g)]))
+        g *= 2
+    nodes = c.world // c.per_node
+    if nodes > 1:
+        out.append(("inter", nodes, [list(range(r, c.world, c.per_node)) for r in range(c.per_node)]))
+    return out
+
+
+def _collectives(c: _Ctx) -> dict[str, dict[str, list]]:
+    """link -> collective -> [{ranks, points: [[bytes, busbw GB/s], ...]}] (busbw of one group; for the
+    network, of all of a node's groups together, its profile's convention)."""
+    curves: dict[str, dict[str, list]] = {"intra": {}, "inter": {}}
+    for link, g, partition in _groups(c):
+        group, _ = dist.new_subgroups_by_enumeration(partition)
+        scale = c.per_node if link == "inter" else 1
+        for name in _COLLECTIVES:
+            points = []
+            for nbytes in _SIZES[c.quick]:
+                t = c.timed(_collective(name, nbytes, group, g, c.device))
+                points.append([nbytes, round(nbytes * _FACTOR[name](g) / t / 1e9 * scale, 6)])
+            curves[link].setdefault(name, []).append({"ranks": g, "points": points})
+        c.say(f"collectives on groups of {g} ({link})")
+    return curves
+
+
+def _sync_us(c: _Ctx) -> dict[str, float]:
+    """link -> extra microseconds a small all-reduce costs when it sits between compute, as tensor-parallel
+    collectives do, over the same all-reduce back to back plus the compute alone: ranks reach it at different
+    times and wait for the last (on CPU ranks that share cores, for the one the scheduler runs last). The
+    median of `rounds` loops of GEMM, all-reduce."""
+    a = torch.randn(256, 256, device=c.device, dtype=c.dtype)
+    buf = torch.ones((64 << 10) // 4, device=c.device)
+    out = {}
+    for link, g, partition in _groups(c):
+        group, _ = dist.new_subgroups_by_enumeration(partition)
+
+        def gemm():
+            for _ in range(8):
+                torch.mm(a, a)
+
+        def both(group=group):
+            gemm()
+            dist.all_reduce(buf, group=group)
+
+        t_gemm = c.timed(gemm, reps=20)
+        t_ar = c.timed(lambda group=group: dist.all_reduce(buf, group=group), reps=20)
+        extras = [c.timed(both, reps=20) - t_gemm - t_ar for _ in range(3)]
+        out[link] = max(0.0, statistics.median(extras) * 1e6)
+    return out
+
+
+def _p2p(c: _Ctx) -> list[list[float]]:
+    """Send/recv between rank pairs (rank r with r xor 1), both directions at once: bytes, GB/s one way."""
+    peer = c.rank ^ 1
+    points = []
+    for nbytes in _SIZES[c.quick]:
+        out, inp = torch.ones(nbytes // 4, device=c.device), torch.empty(nbytes // 4, device=c.device)
+
+        def step(out=out, inp=inp):
+            ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, inp, peer)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        points.append([nbytes, round(nbytes / c.timed(step) / 1e9, 6)])
+    return points
+
+
+def _link(name: str, scope: str, curves: dict[str, list], p2p: list, where: str, sync_us: float) -> dict:
+    largest = {coll: max(entries, key=lambda e: e["ranks"]) for coll, entries in curves.items()}
+    busbw = {coll: max(p[1] for p in e["points"]) for coll, e in largest.items()}
+    busbw["p2p"] = max(p[1] for p in p2p) if p2p else busbw["broadcast"]
+    ar = largest["all_reduce"]
+    first = ar["points"][0]
+    latency_us = first[0] * _FACTOR["all_reduce"](ar["ranks"]) / (first[1] * 1e9) / (2 * (ar["ranks"] - 1)) * 1e6
+    curve = dict(curves)
+    if p2p:
+        curve["p2p"] = [{"ranks": 2, "points": p2p}]
+    src = f"measured by `autoshard profile` {where}"
+    return {"name": name, "scope": scope, "busbw_gbps": busbw, "latency_us": round(latency_us, 3),
+            "sync_us": round(sync_us, 3), "busbw_curve": curve, "sources": {"sync_us": src + ": GEMM then a small "
+                                                                            "all-reduce, over each alone","busbw_gbps": src + ": the best busbw over message sizes, largest group",
+                                              "latency_us": src + ": smallest all-reduce / its ring steps",
+                                              "busbw_curve": src + ": all groups of a size at once"}}
+
+
+def _device_facts(c: _Ctx) -> tuple[str, float, int, float | None]:
+    """(name, memory GiB per rank, SMs or cores, datasheet dense peak TFLOP/s if the GPU is a known one)."""
+    if c.device.type == "cpu":
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / c.per_node
+        return "cpu-measured", round(mem, 2), os.cpu_count() or 1, None
+    from autoshard.hardware_profiles.profiles import gpu_names, load_gpu
+
+    props = torch.cuda.get_device_properties(c.device)
+    name = props.name.replace("NVIDIA ", "").replace(" ", "-")
+    known = next((load_gpu(g) for g in gpu_names() if g.split("-")[0] in name), None)
+    return f"{name}-measured", round(props.total_memory / 2**30, 2), props.multi_processor_count, \
+        known.peak_tflops if known else None
+
+
+def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> dict | None:
+    """Run every measurement on this job's ranks (call on all of them); rank 0 gets the cluster file's
+    content (a dict for YAML), the others None."""
+    device = torch.device("cpu") if not torch.cuda.is_available() or dist.get_backend() == "gloo" \
+        else torch.device("cuda", torch.cuda.current_device())
+    c = _Ctx(device, quick, progress)
+    t_start = time.perf_counter()
+    where = (f"on {platform.node()}, {c.world} ranks ({c.world // c.per_node} x {c.per_node}), {device.type}, "
+             f"torch {torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d}{', --quick' if quick else ''}")
+    gemm = _gemm(c)
+    gbps, per_op = _memory(c)
+    transcendental = _transcendental(c) if c.device.type == "cpu" else 0.0
+    c.say("memory bandwidth and kernel cost")
+    name, mem_gib, sms, datasheet = _device_facts(c)
+    sms = c.cores if c.device.type == "cpu" else sms
+    best = max(r[3] for r in gemm)
+    peak = datasheet or best
+    causal, masked = _attention(c, peak)
+    dtensor = _dtensor_us(c)
+    fsdp, optim = _fsdp_us(c), _optimizer_us(c)
+    slow = _overlap(c)
+    c.say("attention, DTensor dispatch, overlap")
+    curves = _collectives(c)
+    sync = _sync_us(c)
+    p2p = _p2p(c) if c.world % 2 == 0 else []
+    if c.rank != 0:
+        return None
+    intra = _link("measured-intra", "intra", curves["intra"], p2p, where, sync.get("intra", 0.0))
+    inter = (_link("measured-inter", "inter", curves["inter"], [], where, sync["inter"]) if curves["inter"] else
+             {**intra, "name": "measured-inter", "scope": "inter",
+              "sources": {k: v + " (one host: its network is its local link)" for k, v in intra["sources"].items()}})
+    src = f"measured by `autoshard profile` {where}"
+    gpu = {"name": name, "device": device.type, "peak_tflops": round(peak, 6), "fp32_tflops": round(peak, 6),
+           "hbm_gbps": round(gbps, 3), "memory_gib": mem_gib, "num_sms": sms,
+           "max_gemm_efficiency": round(min(1.0, best / peak), 4), "hbm_efficiency": 1.0,
+           "kernel_launch_us": round(per_op * 1e6, 3), "gpus_per_node": c.per_node, "intra_node": intra["name"],
+           "inter_node": inter["name"], "flash_attention_efficiency": round(causal, 4),
+           "memory_efficient_attention_efficiency": round(masked, 4), "overlap_slowdown": round(slow, 4),
+           "dtensor_us_per_op": round(dtensor, 3), "fsdp_us_per_module": round(fsdp, 3),
+           "optimizer_us_per_tensor": round(optim, 3), "transcendental_gelem_per_s": round(transcendental, 5),
+           "gemm_tflops": gemm,
+           "sources": {k: src for k in ("peak_tflops", "hbm_gbps", "kernel_launch_us", "gemm_tflops",
+                                        "flash_attention_efficiency", "overlap_slowdown", "dtensor_us_per_op",
+                                        "fsdp_us_per_module", "optimizer_us_per_tensor", "num_sms",
+                                        "transcendental_gelem_per_s")}}
+    if datasheet:
+        gpu["sources"]["peak_tflops"] = "the datasheet peak of the profile this GPU matches"
+    c.say(f"done in {time.perf_counter() - t_start:.0f} s")
+    return {"nodes": c.world // c.per_node, "gpus_per_node": c.per_node, "gpu": gpu, "intra": intra,
+            "inter": inter}
