@@ -36,10 +36,9 @@ def _progress_printer(rank0: bool, enabled: bool, label: str):
 
 def measure_command(args, emit) -> int:
     require_torchrun("measure")
-    import torch.distributed as dist
-
     from autoshard.planner.plan import Plan
     from autoshard.runtime.measure import measure_plan
+    from autoshard.runtime.mesh import shutdown_distributed
 
     plan = Plan.load(args.plan)
     rank0 = os.environ.get("RANK") == "0"
@@ -47,7 +46,7 @@ def measure_command(args, emit) -> int:
                           progress=_progress_printer(rank0, not args.json, "measuring"))
     if rank0:
         emit(args, result.to_json(), "\n".join(measure_text(result)))
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 
@@ -79,16 +78,14 @@ def _writable_target(path: str) -> Path:
 def profile_command(args, emit) -> int:
     target = _writable_target(args.output)  # before any measurement
     require_torchrun("profile")
-    import torch.distributed as dist
+    import torch
     import yaml
 
-    from autoshard.runtime.mesh import init_distributed
+    from autoshard.runtime.mesh import global_rank, init_distributed, shutdown_distributed
     from autoshard.runtime.profile import profile_cluster
 
-    import torch
-
     init_distributed(device_type="cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
-    rank0 = dist.get_rank() == 0
+    rank0 = global_rank() == 0
     show = rank0 and not args.json and not args.quiet
     data = profile_cluster(quick=args.quick,
                            progress=(lambda msg: print(f"autoshard profile: {msg}", file=sys.stderr, flush=True))
@@ -106,7 +103,7 @@ def profile_command(args, emit) -> int:
              f"profile written to {target}: {g['name']}, best GEMM {max(r[3] for r in g['gemm_tflops']):.3g} "
              f"TFLOP/s, {g['hbm_gbps']:.3g} GB/s, {g['kernel_launch_us']:.3g} us per kernel, all-reduce "
              f"{data['intra']['busbw_gbps']['all_reduce']:.3g} GB/s busbw; use --cluster {target}")
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 

@@ -29,12 +29,13 @@ TWO_NODES = ClusterSpec.parse("2x8xA100-80GB")
 
 # -- collectives (REFERENCES.md §3; cost_models/comm.py) --------------------------------------------------
 def test_all_reduce_on_eight_a100s_reproduces_the_measured_nccl_tests_curve():
-    """At the group size it was measured on, the model gives back the published busbw at every size."""
+    """At the group size it was measured on, the model gives back the published busbw at every size
+    (within 1%: no ring step is cheaper than the link's per-hop latency)."""
     _, n0, points = DGX.intra.curve("all_reduce", 8)
     assert n0 == 8
     for nbytes, busbw in points:
         got = collective_time_s("all_reduce", nbytes, GroupPlacement(size=8, ranks_per_node=8), DGX)
-        assert nbytes * 2 * 7 / 8 / got / 1e9 == pytest.approx(busbw, rel=1e-9)
+        assert nbytes * 2 * 7 / 8 / got / 1e9 == pytest.approx(busbw, rel=0.01)  # per-hop latency floor
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])

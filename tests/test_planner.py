@@ -16,11 +16,14 @@ def linear_strategies(p: Plan) -> collections.Counter:
 
 
 def test_planner_rediscovers_data_parallel_when_memory_is_loose():
-    """Parameters replicated, gradients all-reduced once per iteration: with gradient accumulation nothing
-    beats plain data parallelism for a small model (ZeRO would reduce every micro-batch)."""
+    """Parameters and gradients replicated, gradients reduced once per iteration: with gradient accumulation
+    nothing beats data parallelism for a small model (ZeRO-2/3 would reduce every micro-batch). Sharding the
+    optimizer states too (ZeRO-1, Megatron's distributed optimizer) moves the same bytes once per iteration
+    and shortens the optimizer step, so either is right."""
     p = plan("gpt2", "4x8xA100-80GB", global_batch=4096, memory_cap=6)
     assert p.mesh.names == ("dp",) and p.num_microbatches > 1
-    assert set(linear_strategies(p)) == {("replicate", 0)}
+    assert {zero for _, zero in linear_strategies(p)} <= {0, 1}
+    assert {name for name, _ in linear_strategies(p)} == {"replicate"}
 
 
 def test_planner_shards_parameters_when_memory_is_tight():

@@ -67,6 +67,17 @@ def init_distributed(*, device_type: str = "cpu", timeout_s: float = DEFAULT_TIM
     log.info("rank %d/%d joined the %s process group", dist.get_rank(), dist.get_world_size(), backend)
 
 
+def global_rank() -> int:
+    """This process's rank in the default process group."""
+    return dist.get_rank()
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group (end of a CLI command run under torchrun)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu") -> DeviceMesh:
     """The `DeviceMesh` of `spec` over every rank of the default process group."""
     if spec.degree("pp") > 1:
