@@ -102,7 +102,7 @@ def _cmd_estimate(args) -> int:
         global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
         zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels,
-        tp_comm_overlap=args.tp_comm_overlap)
+        tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator)
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
             "pipeline": {"degree": plan.pipeline.degree, "schedule": plan.pipeline.schedule,
@@ -296,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tp-comm-overlap", action="store_true",
                    help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap; "
                         "autoshard's runtime does not, so plans never assume it)")
+    e.add_argument("--allocator", choices=("expandable", "caching"), default="expandable",
+                   help="PyTorch CUDA allocator mode: expandable (expandable_segments:True, as torchtitan and "
+                        "autoshard's runtime run) or caching (PyTorch's default: ~15%% of per-step memory "
+                        "fragmented, GMLake)")
     e.add_argument("-o", "--output", default=None, help="write the configuration as a plan file (for measure)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_estimate)

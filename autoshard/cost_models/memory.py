@@ -12,7 +12,7 @@ from autoshard.capture.ir import DTYPE_BYTES, TensorMeta
 __all__ = [
     "Precision", "BF16_MIXED", "FP32", "PRECISIONS", "model_state_bytes", "tensor_bytes",
     "framework_overhead_bytes", "CUDA_CONTEXT_GIB", "NCCL_PER_GROUP_GIB", "optimizer_step_bytes",
-    "ALLOCATOR_FRAGMENTATION",
+    "ALLOCATOR_FRAGMENTATION", "ALLOCATORS", "loss_buffer_bytes",
 ]
 
 GIB = float(1 << 30)
@@ -20,11 +20,18 @@ GIB = float(1 << 30)
 CUDA_CONTEXT_GIB = 0.3
 # NCCL communicator buffers on A100: 544 MB for a 2-rank group, 688 MB for larger ones (NVIDIA/nccl#964).
 NCCL_PER_GROUP_GIB = 0.65
-# PyTorch's caching allocator reserves more than the tensors it hands out: blocks allocated and freed every
-# step (activations, gathered parameters) fragment its pool. GMLake (Guo et al., ASPLOS 2024) measures the
-# fragmentation it removes in LLM training on A100-80GB at 15% on average (up to 33%); pytorch/pytorch#137151
-# shows reserved/active of 1.6-1.9 on a small FSDP repro. Charged on the memory allocated per step.
-ALLOCATOR_FRAGMENTATION = 0.15
+# Memory the allocator holds but cannot hand out, as a fraction of what is allocated and freed every step
+# (activations, gathered parameters, the loss's buffers), by PyTorch allocator mode:
+# - "caching" (the default PYTORCH_CUDA_ALLOC_CONF): blocks split for one size cannot serve another. GMLake
+#   (Guo et al., ASPLOS 2024) measures the fragmentation it removes in LLM training on A100-80GB at 15% on
+#   average (up to 33%); torchtune #1185 measures 16.4 -> 10.8 GiB peak reserved with expandable segments.
+# - "expandable" (expandable_segments:True; torchtitan's launcher sets it, and so does autoshard's runtime on
+#   CUDA): segments grow page by page, so freed memory serves any size. What remains is the separate pool of
+#   the communication stream, which the memory model counts as transient buffers (two gathered units).
+#   Check: torchtitan ran Llama 2 13B without recompute at local batch 2 on A100-80GB (docs/performance.md),
+#   which fits only with a few percent of slack.
+ALLOCATOR_FRAGMENTATION = {"caching": 0.15, "expandable": 0.0}
+ALLOCATORS = tuple(ALLOCATOR_FRAGMENTATION)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +86,14 @@ def tensor_bytes(meta: TensorMeta, precision: Precision, *, samples: float = 1.0
 def framework_overhead_bytes(num_groups: int) -> float:
     """CUDA context plus NCCL buffers of each process group this rank belongs to."""
     return (CUDA_CONTEXT_GIB + NCCL_PER_GROUP_GIB * max(0, num_groups)) * GIB
+
+
+def loss_buffer_bytes(logits_numel: float) -> float:
+    """Bytes the cross-entropy loss over `logits_numel` logits holds at the start of backward: three fp32
+    logit-sized tensors (the log-probabilities log_softmax saves, the gradient nll_loss returns, the gradient
+    log_softmax returns). The loss upcasts the logits first (torchtitan, Megatron-LM's vocab-parallel
+    cross-entropy and Hugging Face's loss all do). Llama 3 8B at 16k tokens per GPU: 23.5 GiB."""
+    return logits_numel * 3 * 4
 
 
 def optimizer_step_bytes(numel: float, precision: Precision) -> float:

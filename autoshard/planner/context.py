@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoshard.cost_models.comm import GroupPlacement, collective_time_s, group_placement, p2p_time_s
-from autoshard.cost_models.memory import BF16_MIXED, FP32, Precision
+from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION, BF16_MIXED, FP32, Precision
 from autoshard.planner.layouts import MeshSpec
 
 __all__ = ["PlanContext", "default_precision"]
@@ -33,17 +33,25 @@ class PlanContext:
     # pointwise ops as one fused kernel each (Megatron-LM's fused kernels, torch.compile); False: eager
     # PyTorch, one kernel per ATen op (the runtime's own execution)
     fused_pointwise: bool = False
+    allocator: str = "expandable"  # PyTorch CUDA allocator mode (cost_models/memory.py ALLOCATOR_FRAGMENTATION)
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.allocator not in ALLOCATOR_FRAGMENTATION:
+            raise ValueError(f"unknown allocator {self.allocator!r}; use one of {', '.join(ALLOCATOR_FRAGMENTATION)}")
         if self.mesh.size > self.cluster.num_gpus:
             raise ValueError(f"mesh {self.mesh} needs {self.mesh.size} GPUs; the cluster has {self.cluster.num_gpus}")
 
     @property
     def gpu(self):
         return self.cluster.gpu
+
+    @property
+    def fragmentation(self) -> float:
+        """Fraction of the memory allocated every step that the allocator holds but cannot hand out."""
+        return ALLOCATOR_FRAGMENTATION[self.allocator]
 
     @property
     def on_dtensors(self) -> bool:

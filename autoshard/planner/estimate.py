@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph
+from autoshard.cost_models.memory import ALLOCATORS
 from autoshard.errors import ConfigurationError
 from autoshard.planner.bounds import block_costs
 from autoshard.planner.context import PlanContext, default_precision
@@ -31,6 +32,7 @@ class HandConfig:
     zero: int = 0
     fused_kernels: bool = False  # pointwise regions as one kernel each (Megatron-LM, torch.compile)
     tp_comm_overlap: bool = False  # tensor-parallel collectives overlap the GEMMs (Megatron-Core)
+    allocator: str = "expandable"  # PyTorch CUDA allocator mode: expandable (segments) or caching (default)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages"):
@@ -43,6 +45,8 @@ class HandConfig:
             raise ConfigurationError(f"--schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigurationError(f"--zero {self.zero}: use 0, 1, 2 or 3")
+        if self.allocator not in ALLOCATORS:
+            raise ConfigurationError(f"--allocator {self.allocator!r}: use one of {', '.join(ALLOCATORS)}")
 
     @property
     def resolved_schedule(self) -> str:
@@ -103,7 +107,8 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)) if d > 1})
     ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
                       precision=default_precision(cluster), recompute=cfg.recompute, seq=graph.seq_len,
-                      fused_pointwise=cfg.fused_kernels, tp_overlap=cfg.tp_comm_overlap)
+                      fused_pointwise=cfg.fused_kernels, tp_overlap=cfg.tp_comm_overlap,
+                      allocator=cfg.allocator)
     assign = megatron_assignment(graph, mesh, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
                                  zero=cfg.zero)
     stage_layers = _stage_layers(graph, cfg.pp, cfg.virtual_stages)

@@ -31,8 +31,8 @@ from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
 from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.cost_models.compute import memory_bound_time_s
 from autoshard.cost_models.memory import (
-    ALLOCATOR_FRAGMENTATION,
     framework_overhead_bytes,
+    loss_buffer_bytes,
     optimizer_step_bytes,
     tensor_bytes,
 )
@@ -160,6 +160,7 @@ class _Stage:
     param_tensors: int = 0  # parameter tensors the optimizer steps through (its per-tensor host cost)
     saved: float = 0.0
     transient: float = 0.0
+    loss_bytes: float = 0.0  # cross-entropy buffers at the start of backward (last stage)
     recompute_peak: float = 0.0  # one block's activations, re-materialized in its backward
     boundary_bytes: float = 0.0
 
@@ -208,9 +209,11 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             stages[k].tp += n * t
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
-        loss = loss_s(graph.op(name).output_meta, ctx)
-        stages[stage[name]].fwd += loss
-        stages[stage[name]].bwd += loss
+    loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
+    for k, st in enumerate(stages):
+        st.fwd += loss_time[k]
+        st.bwd += loss_time[k]
+        st.loss_bytes = loss_bytes[k]
     units = stage_units(graph, pipe, stage)
     for k, st in enumerate(stages):
         st.units = units[k]
@@ -229,6 +232,19 @@ def loss_s(output: TensorMeta, ctx: PlanContext) -> float:
     if not output.batch_dims or not output.dtype.startswith(("float", "bfloat")):
         return 0.0
     return memory_bound_time_s(3 * output.numel * ctx.micro_batch * 4, ctx.gpu, kernels=4)
+
+
+def loss_per_stage(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanContext,
+                   degree: int) -> tuple[list[float], list[float]]:
+    """Per pipeline stage: seconds of the loss each way (`loss_s`) and bytes it holds at the start of
+    backward (`loss_buffer_bytes`), on the stage that computes the model's outputs."""
+    secs, nbytes = [0.0] * degree, [0.0] * degree
+    for name in outputs:
+        meta = graph.op(name).output_meta
+        secs[stage[name]] += loss_s(meta, ctx)
+        if meta.batch_dims and meta.dtype.startswith(("float", "bfloat")):
+            nbytes[stage[name]] += loss_buffer_bytes(meta.numel * ctx.micro_batch)
+    return secs, nbytes
 
 
 def stage_units(graph: OpGraph, pipe: PipelineSpec, stage: dict[str, int]) -> list[int]:
@@ -327,10 +343,11 @@ def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) 
     out = []
     for i, st in enumerate(stages):
         acts = st.saved * inflight_microbatches(i, pipe, m) + st.recompute_peak
-        dynamic = acts + 2 * st.transient  # allocated and freed every step: what fragments the allocator's pool
-        out.append(st.memory + MemoryBreakdown(activations_bytes=acts, transient_bytes=2 * st.transient,
+        transient = 2 * st.transient + st.loss_bytes
+        dynamic = acts + transient  # allocated and freed every step: what fragments the allocator's pool
+        out.append(st.memory + MemoryBreakdown(activations_bytes=acts, transient_bytes=transient,
                                                other_bytes=framework_overhead_bytes(groups)
-                                               + ALLOCATOR_FRAGMENTATION * dynamic))
+                                               + ctx.fragmentation * dynamic))
     return out
 
 

@@ -18,7 +18,7 @@ Constraints
     sum_s x[o,s] = 1                                                   one strategy per op      (`_strategy_vars`)
     sum_b y[e,a,b] = sum_{s: out(s)=a} x[u,s]
     sum_a y[e,a,b] = sum_{s: key_i(s)=b} x[v,s]                        edge consistency         (`_edge_vars`)
-    T >= F_k + B_k + P_k + (Df_k + Db_k)/(u_k·l) + Ef_k + Eb_k + p2p_k   stage time             (`_stage_time`)
+    T >= F_k + B_k + P_k + (Df_k + Db_k)/(u_k·l) + Ef_k + Eb_k + p2p_k + loss_k                (`_stage_time`)
       F_k, B_k = sum_o n_k(o) sum_s fwd[o,s] x[o,s], resp. (bwd + recompute)[o,s]
       P_k = sum_o n_k(o) sum_s tp[o,s] x[o,s] + sum_e n_k(e) sum_ab c[e,a,b] y[e,a,b]
       Df_k, Db_k = ZeRO traffic of a forward, resp. backward (gathers, reduce-scatters); l = m for layered
@@ -29,7 +29,8 @@ Constraints
     S_k >= G_k·(1 - 1/u_k) - B_k,  S_k >= G_k·(1 - 1/u_k)·(1 - 1/slow)  gradient-sync overlap
     (with --tp-comm-overlap P_k enters as P_k/u_k + Et_k, Et_k overlapping F_k + B_k like ZeRO traffic)
     R_k >= trans[o,s] x[o,s]  for o in stage k                         largest gathered buffer  (`_memory`)
-    sum_o sum_s (n_k(o)·(state + f·inflight_k·saved) + f·peak)[o,s] x[o,s] + 2f·R_k + other <= cap   (`_memory`)
+    sum_o sum_s (n_k(o)·(state + f·inflight_k·saved) + f·peak)[o,s] x[o,s] + 2f·R_k + f·L_k + other <= cap
+                                                                       (`_memory`; L_k: the loss's buffers)
       (f = 1 + allocator fragmentation, on what is allocated every step)
       (peak: a recomputed block's activations, live while that one block runs backward)
     placements of a shared parameter agree across the ops that use it                        (`_tied_params`)
@@ -51,10 +52,14 @@ import pulp
 
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.breakdown import GIB
-from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION, framework_overhead_bytes, optimizer_step_bytes
+from autoshard.cost_models.memory import (
+    framework_overhead_bytes,
+    optimizer_step_bytes,
+)
 from autoshard.planner.context import PlanContext
 from autoshard.planner.evaluate import (
     inflight_microbatches,
+    loss_per_stage,
     op_sites,
     pipeline_fill,
     sink_layout,
@@ -259,7 +264,7 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
     return T, syncs, opts
 
 
-def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize):
+def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize, loss_bytes):
     """Per-stage memory in GiB as (terms, constant); adds the cap constraints unless minimizing. Rows are in
     GiB, not bytes: coefficients of 1e10 next to times of 1e-3 s make the solver's tolerances misjudge them."""
     exprs = []
@@ -268,8 +273,9 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize):
     for k in range(pipe.degree):
         inflight = inflight_microbatches(k, pipe, ctx.num_microbatches)
         R = _var(lp, f"R_{k}", lowBound=0)
-        frag = 1.0 + ALLOCATOR_FRAGMENTATION  # on what is allocated per step (evaluate._memory)
+        frag = 1.0 + ctx.fragmentation  # on what is allocated per step (evaluate._memory)
         terms = [(R, 2.0 * frag)]
+        const = other + frag * loss_bytes[k] / GIB
         for op in tg.ops:
             n = tg.per_stage[op.name][k]
             if not n:
@@ -281,9 +287,9 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize):
                 if c.transient_bytes:
                     lp += pulp.LpConstraint(_aff([(R, 1.0), (v, -c.transient_bytes / GIB)]), pulp.LpConstraintGE,
                                             rhs=0)
-        exprs.append((terms, other))
+        exprs.append((terms, const))
         if not minimize and math.isfinite(cap_bytes):
-            lp += pulp.LpConstraint(_aff(terms), pulp.LpConstraintLE, rhs=cap_bytes / GIB - other)
+            lp += pulp.LpConstraint(_aff(terms), pulp.LpConstraintLE, rhs=cap_bytes / GIB - const)
     return exprs
 
 
@@ -332,9 +338,11 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
     edge_terms = _edge_vars(lp, tg, strategies, x, ctx, edge_time)
     out_terms = _output_costs(tg, strategies, x, ctx, {n: stage[n] for n in tg.outputs})
     units = stage_units(graph, pipe, stage)
+    loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
     p2p = [2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0] * pipe.degree
-    T, syncs, opts = _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p)
-    mem = _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize_memory)
+    fixed = [p + 2 * t for p, t in zip(p2p, loss_time, strict=True)]  # p2p and the loss, whatever the strategies
+    T, syncs, opts = _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, fixed)
+    mem = _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize_memory, loss_bytes)
     _tied_params(lp, graph, tg, strategies, x)
     if minimize_memory:
         M = _var(lp, "M", lowBound=0)

@@ -62,6 +62,9 @@ def init_distributed(*, device_type: str = "cpu", timeout_s: float = DEFAULT_TIM
         if not torch.cuda.is_available():
             raise RuntimeSetupError("the cluster has GPUs but CUDA is not available on this machine; use a "
                                     "`1xNxcpu` cluster to run on CPU ranks")
+        if not any(os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+            # what the planner's memory model assumes (cost_models/memory.py ALLOCATOR_FRAGMENTATION)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     log.info("rank %d/%d joined the %s process group", dist.get_rank(), dist.get_world_size(), backend)

@@ -53,7 +53,6 @@ from autoshard.errors import ConfigurationError, PlanFileError, RuntimeSetupErro
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.plan import Plan
 from autoshard.runtime.apply import _statistics_parallel_norms, materializes_scores
-from autoshard.runtime.recompute import apply_recompute
 from autoshard.runtime.data_parallel import apply_operator_splitting, apply_sharded_data_parallel
 from autoshard.runtime.dtensor_ext import SPMDMode, register_dtensor_rules
 from autoshard.runtime.mesh import build_device_mesh
@@ -67,6 +66,7 @@ from autoshard.runtime.pipeline_split import (
     untie_across_chunks,
 )
 from autoshard.runtime.pipeline_train import PipelineState, TiedSync, train_step
+from autoshard.runtime.recompute import apply_recompute
 from autoshard.runtime.specs import ModuleSpec, module_specs
 from autoshard.runtime.tensor_parallel import distribute_parameters, install_module_runtimes, param_layouts
 

@@ -25,7 +25,6 @@ another number of nodes.
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import statistics
@@ -304,7 +303,7 @@ def _sync_us(c: _Ctx) -> dict[str, float]:
     a = torch.randn(256, 256, device=c.device, dtype=c.dtype)
     buf = torch.ones((64 << 10) // 4, device=c.device)
     out = {}
-    for link, g, partition in _groups(c):
+    for link, _g, partition in _groups(c):
         group, _ = dist.new_subgroups_by_enumeration(partition)
 
         def gemm():
