@@ -40,7 +40,7 @@ def run_case(model: str, cluster: str, batch: int) -> dict:
 
     t0 = time.perf_counter()
     p, _, baselines, _, _ = plan_with_baselines(model, cluster, global_batch=batch)
-    return {"tokens_per_s": p.prediction.tokens_per_s, "mesh": str(p.mesh), "micro_batch": p.micro_batch,
+    return {"tokens_per_s": p.prediction.tokens_per_s, "mfu": round(p.prediction.mfu, 4), "mesh": str(p.mesh), "micro_batch": p.micro_batch,
             "recompute": p.recompute, "schedule": p.pipeline.schedule if p.pipeline.degree > 1 else None,
             "baselines": {k: (b.prediction.tokens_per_s if b.prediction else None) for k, b in baselines.items()},
             "seconds": round(time.perf_counter() - t0, 1)}
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         new[key] = run_case(model, cluster, batch)
         before = old.get(key, {}).get("tokens_per_s")
         change = f"{100 * (new[key]['tokens_per_s'] / before - 1):+.2f}%" if before else "new"
-        print(f"{key:45s} {new[key]['tokens_per_s']:14,.0f} tokens/s ({change}) {new[key]['mesh']}")
+        print(f"{key:45s} {new[key]['tokens_per_s']:14,.0f} tokens/s ({change}) MFU {100 * new[key]['mfu']:.1f}% "
+              f"{new[key]['mesh']}")
     if not args.check:
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,29 @@
+"""`autoshard measure` end to end: a plan file from `estimate`, run under torchrun on 2 gloo ranks with the
+measured CPU profile, prints one JSON document with the measured step beside the prediction."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILE = ROOT / "benchmarks" / "measured" / "cpu2.yaml"
+
+
+def test_measure_runs_a_plan_on_two_ranks_and_reports_measured_beside_predicted(tmp_path):
+    plan = tmp_path / "plan.json"
+    model = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
+    subprocess.run([sys.executable, "-m", "autoshard.cli", "estimate", model, "--cluster", str(PROFILE),
+                    "--dp", "2", "--micro-batch", "2", "--global-batch", "4", "--zero", "3", "-o", str(plan)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", "29671", "-m", "autoshard.cli", "measure", str(plan),
+                          "--steps", "3", "--warmup", "1", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)  # only JSON on stdout, from rank 0 only
+    assert report["world_size"] == 2 and report["predicted_s"] > 0
+    step = report["step"]
+    assert len(step["steps_s"]) == 3 and all(s > 0 for s in step["steps_s"])
+    assert min(step["steps_s"]) <= step["median_s"] <= max(step["steps_s"])
+    assert report["error_pct"] == (report["predicted_s"] - step["median_s"]) / step["median_s"] * 100
