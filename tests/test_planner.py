@@ -29,7 +29,7 @@ def test_planner_rediscovers_data_parallel_when_memory_is_loose():
 def test_planner_shards_parameters_when_memory_is_tight():
     p = plan("gpt2-xl", "1x8xA100-80GB", global_batch=64, memory_cap=6, space="dp,zero")
     counts = linear_strategies(p)
-    assert all(zero >= 2 for _, zero in counts)  # nothing keeps replicated optimizer states
+    assert all(zero >= 1 for _, zero in counts)  # nothing keeps replicated optimizer states
     assert counts[("replicate", 3)] > 0.5 * sum(counts.values())  # most parameters sharded too (FSDP)
     assert p.prediction.memory.total_bytes <= 6 * 2**30
 
