@@ -84,7 +84,14 @@ def _prediction_text(pred, cluster) -> list[str]:
         "time breakdown   " + ", ".join(f"{k} {v:.3f} s" for k, v in pred.time.seconds().items() if v > 0),
         f"memory per GPU   {mem['total']:.1f} of {cap:.0f} GiB: " + ", ".join(
             f"{k} {v:.1f}" for k, v in mem.items() if k != "total" and v > 0.005),
+        *(f"caution          {w}" for w in _warnings(pred, cluster)),
     ]
+
+
+def _warnings(pred, cluster) -> list[str]:
+    from autoshard.planner.envelope import envelope_warnings
+
+    return envelope_warnings(pred.mfu, cluster.gpu.name)
 
 
 def _attention_kernel(plan) -> str:
@@ -109,7 +116,7 @@ def _cmd_estimate(args) -> int:
                          "virtual_stages": plan.pipeline.virtual_stages,
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
-            **prediction_json(pred)}
+            **prediction_json(pred), "warnings": _warnings(pred, cluster)}
     head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch {plan.micro_batch} x "
             f"{plan.num_microbatches}, recompute {plan.recompute}, attention {data['attention']}"
             + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")]
@@ -150,7 +157,8 @@ def _cmd_plan(args) -> int:
             "recompute": plan.recompute, "pipeline": {"degree": plan.pipeline.degree,
                                                       "schedule": plan.pipeline.schedule,
                                                       "virtual_stages": plan.pipeline.virtual_stages},
-            "predicted": {**_pred_row(pred), **prediction_json(pred)}, "ops": explain_rows(plan),
+            "predicted": {**_pred_row(pred), **prediction_json(pred)}, "warnings": _warnings(pred, cluster),
+            "ops": explain_rows(plan),
             "baselines": {k: _pred_row(b.prediction) for k, b in baselines.items()},
             "baseline_configs": {k: b.config or b.note for k, b in baselines.items()},
             "solve_time_s": result.solve_time_s,

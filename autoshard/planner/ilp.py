@@ -43,8 +43,11 @@ any plan in this configuration needs, reported when the cap is infeasible.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -362,6 +365,25 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
     return Problem(graph=graph, lp=lp, template=tg, strategies=strategies, costs=costs, x=x, memory_exprs=mem, time_var=T)
 
 
+@contextlib.contextmanager
+def _solver_output_to_stderr():
+    """HiGHS prints its banner from C++ on file descriptor 1 when the first model is built, whatever `msg`
+    says; `--json` output must be only JSON, so the solver's stdout goes to stderr while it runs."""
+    try:
+        out = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # stdout replaced (pytest capture, StringIO): nothing to do
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(out)
+    try:
+        os.dup2(sys.stderr.fileno(), out)
+        yield
+    finally:
+        os.dup2(saved, out)
+        os.close(saved)
+
+
 def _solver(time_limit_s: float):
     if pulp.HiGHS().available():
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1)
@@ -375,8 +397,9 @@ def relaxation_bound(problem: Problem) -> float:
     for v in binaries:
         v.cat = pulp.LpContinuous
     try:
-        problem.lp.solve(pulp.HiGHS(msg=False, threads=1) if pulp.HiGHS().available() else
-                         pulp.PULP_CBC_CMD(msg=False))
+        with _solver_output_to_stderr():
+            problem.lp.solve(pulp.HiGHS(msg=False, threads=1) if pulp.HiGHS().available() else
+                             pulp.PULP_CBC_CMD(msg=False))
         ok = problem.lp.sol_status == pulp.LpSolutionOptimal
         return float(pulp.value(problem.lp.objective)) if ok else float("inf")
     finally:
@@ -388,7 +411,8 @@ def solve(problem: Problem, *, time_limit_s: float = 20.0) -> Solution:
     import time
 
     t0 = time.perf_counter()
-    problem.lp.solve(_solver(time_limit_s))
+    with _solver_output_to_stderr():
+        problem.lp.solve(_solver(time_limit_s))
     elapsed = time.perf_counter() - t0
     # sol_status: 1 optimal, 2 feasible (stopped at the time limit), anything else no usable solution
     sol = problem.lp.sol_status

@@ -1,0 +1,46 @@
+"""What real runs reach: a prediction beyond the best published run on its GPU is flagged, not hidden.
+
+REFERENCES.md §8: no published dense-transformer run on A100 or H100 reaches much beyond 60% MFU, so a plan
+predicted above the best measured run on its GPU family is a claim that needs evidence (`autoshard measure` on
+the cluster), and `plan` / `estimate` say so beside the figure (text and `--json` "warnings"). Each ceiling
+names its run; GPUs without a published run (custom profiles, CPU ranks) get no warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Ceiling", "PUBLISHED_MFU", "gpu_family", "envelope_warnings"]
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    mfu: float  # model FLOPs utilization of the best published run
+    source: str
+
+
+PUBLISHED_MFU = {
+    "A100": Ceiling(0.611, "torchtitan FSDP2, Llama 2 13B on 64 A100s without activation checkpointing "
+                           "(docs/performance.md; REFERENCES.md §8)"),
+    "H100": Ceiling(0.47, "Megatron-Core GPT on H100, up to 47% MFU (Megatron-LM README; REFERENCES.md §8)"),
+    "V100": Ceiling(0.575, "Megatron-LM 2019, 1.2B on one V100: 71.9 TFLOP/s of 125 counting recompute "
+                           "(Megatron-LM images/tables.tex)"),
+}
+
+
+def gpu_family(gpu_name: str) -> str | None:
+    """"A100-80GB" -> "A100"; H200 shares H100's die and rated peak, so H100's runs bound it."""
+    for family, names in (("A100", ("A100",)), ("H100", ("H100", "H200")), ("V100", ("V100",))):
+        if gpu_name.startswith(names):
+            return family
+    return None
+
+
+def envelope_warnings(mfu: float, gpu_name: str) -> list[str]:
+    """One line per way a prediction exceeds what published runs on `gpu_name` reached (empty: within)."""
+    family = gpu_family(gpu_name)
+    ceiling = PUBLISHED_MFU.get(family) if family else None
+    if ceiling is None or mfu <= ceiling.mfu:
+        return []
+    return [f"predicted MFU {mfu:.1%} is above the best published run on {family} ({ceiling.mfu:.1%}: "
+            f"{ceiling.source}); treat it as optimistic until measured (autoshard measure)"]

@@ -1,0 +1,32 @@
+"""Predictions beyond what published runs reached are flagged beside the figure (REFERENCES.md §8)."""
+
+import json
+import subprocess
+import sys
+
+from autoshard.planner.envelope import PUBLISHED_MFU, envelope_warnings, gpu_family
+
+
+def test_mfu_above_the_best_published_run_on_its_gpu_is_flagged_and_names_the_run():
+    (line,) = envelope_warnings(0.677, "A100-80GB")
+    assert "67.7%" in line and "61.1%" in line and "torchtitan" in line
+    assert envelope_warnings(PUBLISHED_MFU["A100"].mfu, "A100-40GB") == []
+    assert envelope_warnings(0.50, "H100-80GB") and not envelope_warnings(0.45, "H100-80GB")
+
+
+def test_h200_is_bounded_by_h100_runs_and_gpus_without_published_runs_get_no_warning():
+    assert gpu_family("H200-141GB") == "H100"
+    assert envelope_warnings(0.9, "cpu") == [] and envelope_warnings(0.9, "RTX5000-16GB") == []
+
+
+def test_estimate_prints_the_warning_in_text_and_json():
+    args = ["estimate", "gpt:layers=24,hidden=2304,heads=24,seq=2048,vocab=51200", "--cluster", "4x8xA100-80GB",
+            "--dp", "32", "--micro-batch", "8", "--global-batch", "512"]
+    text = subprocess.run([sys.executable, "-m", "autoshard.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert text.returncode == 0, text.stderr
+    out = subprocess.run([sys.executable, "-m", "autoshard.cli", *args, "--json"], capture_output=True, text=True,
+                         timeout=300)
+    data = json.loads(out.stdout)
+    assert data["mfu"] > PUBLISHED_MFU["A100"].mfu
+    assert data["warnings"] and "caution          " + data["warnings"][0] in text.stdout
