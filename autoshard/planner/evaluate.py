@@ -229,9 +229,14 @@ def loss_s(output: TensorMeta, ctx: PlanContext) -> float:
     """Seconds of the training loss on one micro-batch's output, forward or backward: cross-entropy over
     logits is log_softmax then nll_loss in fp32 (the logits upcast first), about three fp32 passes each way
     and four kernels; outputs without a batch dim or that are not floating point cost nothing."""
-    if not output.batch_dims or not output.dtype.startswith(("float", "bfloat")):
+    if not _has_loss(output):
         return 0.0
     return memory_bound_time_s(3 * output.numel * ctx.micro_batch * 4, ctx.gpu, kernels=4)
+
+
+def _has_loss(output: TensorMeta) -> bool:
+    """A model output the training loss is computed on: floating point, with a batch dim."""
+    return bool(output.batch_dims) and output.dtype.startswith(("float", "bfloat"))
 
 
 def loss_per_stage(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanContext,
@@ -242,7 +247,7 @@ def loss_per_stage(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanCont
     for name in outputs:
         meta = graph.op(name).output_meta
         secs[stage[name]] += loss_s(meta, ctx)
-        if meta.batch_dims and meta.dtype.startswith(("float", "bfloat")):
+        if _has_loss(meta):
             nbytes[stage[name]] += loss_buffer_bytes(meta.numel * ctx.micro_batch)
     return secs, nbytes
 

@@ -55,10 +55,7 @@ import pulp
 
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.breakdown import GIB
-from autoshard.cost_models.memory import (
-    framework_overhead_bytes,
-    optimizer_step_bytes,
-)
+from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
 from autoshard.planner.context import PlanContext
 from autoshard.planner.evaluate import (
     inflight_microbatches,
@@ -273,10 +270,10 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize, loss_b
     exprs = []
     groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
     other = framework_overhead_bytes(groups) / GIB
+    frag = 1.0 + ctx.fragmentation  # on what is allocated per step (evaluate._memory)
     for k in range(pipe.degree):
         inflight = inflight_microbatches(k, pipe, ctx.num_microbatches)
         R = _var(lp, f"R_{k}", lowBound=0)
-        frag = 1.0 + ctx.fragmentation  # on what is allocated per step (evaluate._memory)
         terms = [(R, 2.0 * frag)]
         const = other + frag * loss_bytes[k] / GIB
         for op in tg.ops:
