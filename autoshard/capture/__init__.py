@@ -46,12 +46,22 @@ def capture(model: nn.Module, example_inputs: tuple, *, name: str | None = None)
     seq = _seq_len(ops)
     graph = OpGraph(model_name=name or type(model).__name__, ops=ops, blocks=blocks, seq_len=seq,
                     outputs=coarse.outputs, unknown_ops=coarse.unknown, tied_params=_tied_params(model),
+                    root_type=type(model).__name__, root_kwargs=_forward_parameters(model),
                     capture_s=time.perf_counter() - t0)
     if coarse.unknown:
         log.warning("operators unknown to the planner (priced as memory-bound): %s", ", ".join(coarse.unknown))
     log.info("captured %s: %d ops, %d params, %.1f s", graph.model_name, len(ops), graph.num_params,
              graph.capture_s)
     return graph
+
+
+def _forward_parameters(model) -> tuple[str, ...]:
+    import inspect
+
+    try:
+        return tuple(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):  # a builtin or C-implemented forward
+        return ()
 
 
 def _mark_shared(ops: tuple[Op, ...]) -> tuple[Op, ...]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from autoshard.errors import CaptureError
 
-__all__ = ["ExportedGraph", "export_model", "per_sample_shape"]
+__all__ = ["ExportedGraph", "export_model", "per_sample_shape", "training_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,22 @@ def _user_frame(exc: BaseException) -> str | None:
     return found
 
 
+@contextlib.contextmanager
+def training_outputs(model: nn.Module):
+    """Inference-only outputs off while inside: a Hugging Face config's `use_cache` (a key/value cache is an
+    object torch.export cannot return, and training never reads it) is set to False on every config the
+    model's modules hold (encoder-decoder models keep one per stack), and restored on the way out."""
+    configs = {id(c): c for m in model.modules() for c in [getattr(m, "config", None)]
+               if c is not None and getattr(c, "use_cache", None)}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
+
+
 def export_model(model: nn.Module, example_inputs: tuple) -> ExportedGraph:
     """Export `model` on `example_inputs`; raises `CaptureError` naming the failing op when it cannot."""
     if not isinstance(model, nn.Module):
@@ -129,12 +145,13 @@ def export_model(model: nn.Module, example_inputs: tuple) -> ExportedGraph:
     was_training = model.training
     model.train()  # capture the training graph: dropout is part of it
     try:
-        try:
-            program = _export(model, example_inputs, dynamic=True)
-            shapes = _node_shapes(program)
-        except Exception as exc:  # noqa: BLE001 - any export failure falls back to static shapes
-            log.info("dynamic-batch export failed (%s); exporting twice with static shapes", _describe(exc))
-            program, shapes = _export_static_twice(model, example_inputs)
+        with training_outputs(model):
+            try:
+                program = _export(model, example_inputs, dynamic=True)
+                shapes = _node_shapes(program)
+            except Exception as exc:  # noqa: BLE001 - any export failure falls back to static shapes
+                log.info("dynamic-batch export failed (%s); exporting twice with static shapes", _describe(exc))
+                program, shapes = _export_static_twice(model, example_inputs)
     finally:
         model.train(was_training)
     return _with_names(program, shapes, model)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.memory import ALLOCATORS
 from autoshard.errors import ConfigurationError
+from autoshard.planner.contract import attention_head_counts, pipeline_blocker, tp_degree_fits_heads
 from autoshard.planner.bounds import block_costs
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.evaluate import Evaluation, evaluate
@@ -69,20 +70,15 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
         raise ConfigurationError(
             f"tp x pp x dp = {cfg.tp} x {cfg.pp} x {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but cluster "
             f"{cluster} has {cluster.num_gpus} GPUs; choose degrees whose product is {cluster.num_gpus}")
-    heads = _heads(graph)
-    if heads and heads % cfg.tp:
-        raise ConfigurationError(f"tp={cfg.tp} does not divide the {heads} attention heads; pick a tp that does")
-    if cfg.pp > 1 and not graph.blocks:
-        raise ConfigurationError("pipeline parallelism needs repeated blocks to split; this model has none")
+    if not tp_degree_fits_heads(graph, cfg.tp):
+        counts = " and ".join(str(h) for h in attention_head_counts(graph))
+        raise ConfigurationError(f"tp={cfg.tp} does not divide the {counts} attention heads (query and key/value) "
+                                 "of this model; pick a tp that divides each")
+    blocker = pipeline_blocker(graph) if cfg.pp > 1 else None
+    if blocker:
+        raise ConfigurationError(f"pp={cfg.pp}: this model cannot be cut into pipeline stages: {blocker}; use --pp 1")
     if cfg.virtual_stages > 1 and cfg.pp == 1:
         raise ConfigurationError("--virtual-stages needs --pp > 1")
-
-
-def _heads(graph: OpGraph) -> int:
-    for op in graph.ops:
-        if op.kind.value in ("attention", "matmul") and len(op.output_meta.shape) == 4:
-            return op.output_meta.shape[1]
-    return 0
 
 
 def _stage_layers(graph: OpGraph, pp: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:

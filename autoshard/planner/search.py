@@ -22,6 +22,7 @@ from autoshard.errors import InfeasiblePlanError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.candidate_bound import edge_times, knapsack_bound_s
 from autoshard.planner.context import PlanContext, default_precision
+from autoshard.planner.contract import largest_head_divisor, pipeline_blocker, schedule_blocker
 from autoshard.planner.evaluate import (
     Evaluation,
     evaluate,
@@ -85,13 +86,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _heads(graph: OpGraph) -> int:
-    for op in graph.ops:
-        if op.kind.value in ("attention", "matmul") and len(op.output_meta.shape) == 4:
-            return op.output_meta.shape[1]
-    return 0
-
-
 def _tp_meshes(gpn: int, heads: int, space: frozenset[str]) -> list[dict[str, int]]:
     """Tensor-parallel axes: 1D degrees inside a node, 2D q x q and 3D q x q x q grids."""
     out: list[dict[str, int]] = [{}]
@@ -125,6 +119,8 @@ def _pipelines(graph: OpGraph, pp: int, space: frozenset[str], m: int,
         for v in vs:
             if layers < pp * v:
                 continue
+            if schedule_blocker(schedule, pp, m) is not None:
+                continue
             stage_layers = balanced_stage_layers(layers, pp, v, pre, block, post)
             specs.append(PipelineSpec(degree=pp, schedule=schedule, virtual_stages=v, stage_layers=stage_layers,
                                       layered=schedule == "looped-bfs"))
@@ -139,10 +135,11 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
     prec = default_precision(cluster)
     recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) else [])
     max_zero = 3 if "zero" in space else 0
-    pps = [p for p in _divisors(n) if p == 1 or ("pp" in space and graph.blocks and p <= graph.num_layers)]
+    cuttable = pipeline_blocker(graph) is None
+    pps = [p for p in _divisors(n) if p == 1 or ("pp" in space and cuttable and p <= graph.num_layers)]
     found, pruned = [], 0
     for pp in pps:
-        for tp in _tp_meshes(gpn, _heads(graph), space):
+        for tp in _tp_meshes(gpn, largest_head_divisor(graph), space):
             tdeg = math.prod(tp.values())
             if n % (pp * tdeg):
                 continue

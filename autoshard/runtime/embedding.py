@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -52,6 +53,12 @@ def _dp_dims(x: DTensor) -> tuple[bool, ...]:
     return tuple(n == "dp" for n in (x.device_mesh.mesh_dim_names or ()))
 
 
+def _replicated_on_dp(ids: DTensor) -> bool:
+    """The same ids on every dp rank (positions): DTensor's rule would give every dp rank the whole batch's
+    weight gradient, which the dp reduction then sums a second time."""
+    return any(d and isinstance(p, Replicate) for d, p in zip(_dp_dims(ids), ids.placements, strict=True))
+
+
 class _FromLocal(torch.autograd.Function):
     """`DTensor.from_local` whose backward leaves the dp dim's gradient partial where the output is replicated
     on dp (position ids: every dp rank looks up the same rows, and each rank's gradient is its own samples'
@@ -79,13 +86,51 @@ class _FromLocal(torch.autograd.Function):
         return local, None, None, None, None
 
 
-def vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """`module(ids)` with the weight's vocabulary rows sharded (see the module docstring)."""
+def vocab_parallel_lookup(module: nn.Embedding, *args, **kwargs) -> torch.Tensor:
+    """`module(*args, **kwargs)` with the weight's vocabulary rows sharded (see the module docstring).
+
+    A subclass of `nn.Embedding` runs its own forward (Gemma scales the rows by sqrt(hidden), OPT's positional
+    embedding computes its ids from the attention mask): only its lookups of this weight are replaced."""
+    if type(module) is nn.Embedding:
+        return _lookup(module, *args, **kwargs)
+    with _RouteLookups(module):
+        return type(module).forward(module, *args, **kwargs)
+
+
+class _RouteLookups(TorchFunctionMode):
+    """Sends `F.embedding(ids, module.weight, ...)` made inside a subclass's forward to `_lookup`."""
+
+    def __init__(self, module: nn.Embedding) -> None:
+        super().__init__()
+        self.module = module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            ids = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if weight is self.module.weight:
+                return _lookup(self.module, ids)
+        return func(*args, **kwargs)
+
+
+def _plain_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    return nn.Embedding.forward(module, ids)
+
+
+def _lookup(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """The lookup of `ids` in `module.weight`, as `nn.Embedding.forward` does it, vocabulary-parallel."""
     weight = module.weight
-    if not isinstance(ids, DTensor) or not shards_vocabulary(weight) or module.max_norm is not None:
-        return type(module).forward(module, ids)
+    if isinstance(weight, DTensor) and not isinstance(ids, DTensor) and module.max_norm is None:
+        # ids the forward made itself (OPT's positions from its attention mask): the same on every rank; each
+        # rank's weight gradient is its own samples' share (see _FromLocal), not the whole batch's
+        ids = DTensor.from_local(ids, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim, run_check=False)
+    elif not isinstance(ids, DTensor) or module.max_norm is not None:
+        return _plain_forward(module, ids)
+    elif not shards_vocabulary(weight) and not _replicated_on_dp(ids):
+        return _plain_forward(module, ids)  # DTensor's own rule: outputs follow the ids, gradients partial on dp
     if any(isinstance(p, Shard) and wp.is_shard(0) for p, wp in zip(ids.placements, weight.placements, strict=True)):
-        return type(module).forward(module, ids)  # tokens and rows sharded on one axis: DTensor's business
+        return _plain_forward(module, ids)  # tokens and rows sharded on one axis: DTensor's business
     mesh = weight.device_mesh
     rows, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
     lo, hi = offset[0], offset[0] + rows[0]

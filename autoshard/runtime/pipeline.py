@@ -50,6 +50,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoshard.errors import ConfigurationError, PlanFileError, RuntimeSetupError
+from autoshard.planner.contract import schedule_blocker
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.plan import Plan
 from autoshard.runtime.apply import _statistics_parallel_norms, materializes_scores
@@ -228,14 +229,9 @@ def _check_schedule(plan: Plan) -> str:
     if pipe.virtual_stages > 1 and name not in _MULTI_CHUNK:
         raise ConfigurationError(f"schedule {name!r} runs one chunk per rank but the plan has "
                                  f"{pipe.virtual_stages} virtual stages; use interleaved-1f1b or looped-bfs")
-    m, degree = plan.num_microbatches, pipe.degree
-    if name == "1f1b" and m < degree:
-        raise ConfigurationError(f"1F1B needs at least as many micro-batches as stages: {m} < {degree}; raise "
-                                 "the global batch, lower the micro-batch or use gpipe")
-    rounds = max(1, m // degree)
-    if name == "interleaved-1f1b" and m % rounds:
-        raise ConfigurationError(f"interleaved 1F1B needs a number of micro-batches that is a multiple of "
-                                 f"{rounds} (micro-batches // pp degree), got {m}")
+    blocker = schedule_blocker(name, pipe.degree, plan.num_microbatches)
+    if blocker:
+        raise ConfigurationError(blocker)
     return name
 
 
@@ -275,7 +271,8 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
                                  "autoparallel(..., loss_fn=fn) with fn(model_output, target) -> scalar")
     example = _single_input(example_inputs)
     name = _check_schedule(plan)  # every user error before the first collective
-    chunks = build_chunks(model, _stage_layers(plan, len(model.get_submodule(family_of(model).blocks))))
+    family = family_of(model, example)
+    chunks = build_chunks(model, _stage_layers(plan, len(model.get_submodule(family.blocks))), example)
     specs = module_specs(plan, graph, model)  # on the whole model: tied parameters still tied
     register_dtensor_rules()
     full = build_pipeline_mesh(plan, device_type=device_type)  # 1

@@ -6,13 +6,17 @@ norm, head), exactly as the planner assigns ops (`planner.template.stage_of`). A
 model's *own* submodules under their original paths (`transformer.h.2` stays `transformer.h.2`), so the
 runtime's per-module machinery, plan lookups and parameter FQNs work on a chunk as on the whole model.
 
-Why per-family chunk forwards and not a traced split (`torch.distributed.pipelining.pipeline` over
-`torch.export`): the tensor-parallel runtime acts by replacing the `forward` of the model's leaf modules
-(tensor_parallel.py) and keeps the user's parameter objects; a traced stage runs an exported graph of aten ops
-instead, with new module objects, so neither would apply. Each supported family therefore says, in a few
-lines, what its forward does around the blocks (masks, positions, rotary tables) — the same calls the model's
-own forward makes, in the same order, so results are bit-identical. Other models get a `ConfigurationError`
-naming their class.
+How a chunk runs. The tensor-parallel runtime acts by replacing the `forward` of the model's leaf modules
+(tensor_parallel.py) and keeps the user's parameter objects, so a chunk must run the model's own modules,
+not a traced copy (`torch.distributed.pipelining.pipeline` over `torch.export` makes new module objects).
+Any model whose forward takes `inputs_embeds=` (every decoder in `transformers`) is cut generically: its one
+list of repeated blocks is found in the model (planner/contract.py states the rule for the planner), the
+modules that own parameters are assigned to the first or the last chunk by the order a forward calls them,
+and a chunk runs the model's *own* forward with the list holding only its blocks: chunk 0 on the inputs,
+a later chunk on `inputs_embeds=h` with its first block's hidden-states argument replaced by `h` (so nothing
+the forward does to the embeddings is applied twice); a chunk that is not last stops after its last block.
+Modules of other chunks are stood in for by parameter-free stubs while a chunk runs. autoshard's own test
+models (no `inputs_embeds`) keep a hand-written description (`FAMILIES`).
 
 A parameter tied across chunks (GPT-2's token embedding and LM head) gets its own copy in every chunk after
 the first that uses it; the copies' gradients are summed after each step (Megatron-LM's embedding group).
@@ -20,59 +24,25 @@ the first that uses it; the copies' gradients are summed after each step (Megatr
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from autoshard.errors import ConfigurationError
+from autoshard.planner.contract import OWN_PIPELINE_CLASSES, PIPELINE_ENTRY
 
 __all__ = ["ChunkFamily", "PipelineChunk", "TiedCopy", "family_of", "build_chunks", "prune_model",
            "untie_across_chunks", "SUPPORTED_CLASSES"]
-
-
-def _positions(h: torch.Tensor) -> torch.Tensor:
-    return torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, S)
-
-
-def _causal_mask(chunk: nn.Module, h: torch.Tensor, pos: torch.Tensor):
-    from transformers.masking_utils import create_causal_mask
-
-    return create_causal_mask(config=chunk.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                              position_ids=pos)
 
 
 def _lm_output(logits: torch.Tensor):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(logits=logits)
-
-
-# -- GPT-2 (transformers GPT2LMHeadModel / GPT2Model.forward) -------------------------------------------------
-def _gpt2_embed(c: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    t = c.transformer
-    return t.drop(t.wte(ids) + t.wpe(_positions(ids)))  # (B, S, H)
-
-
-def _gpt2_context(c: nn.Module, h: torch.Tensor) -> dict:
-    pos = _positions(h)
-    return {"pos": pos, "mask": _causal_mask(c, h, pos)}
-
-
-def _gpt2_block(block: nn.Module, h: torch.Tensor, ctx: dict) -> torch.Tensor:
-    return block(h, None, ctx["mask"], None, encoder_attention_mask=None, use_cache=False, position_ids=ctx["pos"])
-
-
-# -- Llama (transformers LlamaForCausalLM / LlamaModel.forward) -----------------------------------------------
-def _llama_context(c: nn.Module, h: torch.Tensor) -> dict:
-    pos = _positions(h)
-    return {"pos": pos, "mask": _causal_mask(c, h, pos), "rope": c.model.rotary_emb(h, position_ids=pos)}
-
-
-def _llama_block(block: nn.Module, h: torch.Tensor, ctx: dict) -> torch.Tensor:
-    return block(h, attention_mask=ctx["mask"], position_embeddings=ctx["rope"], position_ids=ctx["pos"],
-                 past_key_values=None, use_cache=False)
 
 
 # -- the zoo's nanoGPT-style GQAGPT and residual MLP (autoshard/models/small.py) ------------------------------
@@ -107,17 +77,10 @@ class ChunkFamily:
     head: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # last chunk: hidden states -> output
     shared: tuple[str, ...] = ()  # parameter-free modules every chunk calls (rotary tables)
     wrap_output: Callable[[torch.Tensor], object] = field(default=lambda out: out)  # as forward() returns it
+    entry: str | None = None  # generic cut: the forward keyword a later chunk enters with (embed etc. unused)
 
 
-FAMILIES = (
-    ChunkFamily(classes=("GPT2LMHeadModel",), blocks="transformer.h",
-                first=("transformer.wte", "transformer.wpe", "transformer.drop"),
-                last=("transformer.ln_f", "lm_head"), embed=_gpt2_embed, context=_gpt2_context,
-                block=_gpt2_block, head=lambda c, h: c.lm_head(c.transformer.ln_f(h)), wrap_output=_lm_output),
-    ChunkFamily(classes=("LlamaForCausalLM",), blocks="model.layers", first=("model.embed_tokens",),
-                last=("model.norm", "lm_head"), shared=("model.rotary_emb",),
-                embed=lambda c, ids: c.model.embed_tokens(ids), context=_llama_context, block=_llama_block,
-                head=lambda c, h: c.lm_head(c.model.norm(h)), wrap_output=_lm_output),
+FAMILIES = (  # autoshard's own test models: their forwards take no inputs_embeds
     ChunkFamily(classes=("GQAGPT",), blocks="h", first=("wte", "wpe"), last=("ln_f", "lm_head"),
                 embed=_gqa_embed, context=_no_context, block=_plain_block,
                 head=lambda c, h: c.lm_head(c.ln_f(h))),
@@ -125,16 +88,69 @@ FAMILIES = (
                 context=_no_context, block=_plain_block, head=lambda c, h: c.head(h)),
 )
 SUPPORTED_CLASSES = tuple(name for f in FAMILIES for name in f.classes)
+assert set(SUPPORTED_CLASSES) == set(OWN_PIPELINE_CLASSES)
 
 
-def family_of(model: nn.Module) -> ChunkFamily:
+def family_of(model: nn.Module, example: torch.Tensor | None = None) -> ChunkFamily:
+    """How to cut `model`: its own description, or the generic cut of a model whose forward takes
+    `inputs_embeds` (`example`: an input whose other dims are real; token ids of 2 by default)."""
     names = [cls.__name__ for cls in type(model).__mro__]
     for family in FAMILIES:
         if any(n in family.classes for n in names):
             return family
-    raise ConfigurationError(f"pipeline parallelism does not know how to cut a {type(model).__name__} into "
-                             f"stages; supported: {', '.join(SUPPORTED_CLASSES)}. Plan it without pipeline "
-                             "parallelism (pp=1) or add its family to autoshard/runtime/pipeline_split.py")
+    import inspect
+
+    try:
+        accepts = PIPELINE_ENTRY in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if not accepts:
+        raise ConfigurationError(f"pipeline parallelism cannot cut a {type(model).__name__} into stages: its "
+                                 f"forward takes no {PIPELINE_ENTRY}= to enter a later stage with hidden states; "
+                                 "plan it without pipeline parallelism (pp=1)")
+    blocks = _block_list(model)
+    first, last = _outside_blocks(model, blocks, example)
+    return ChunkFamily(classes=(type(model).__name__,), blocks=blocks, first=first, last=last, embed=_identity,
+                       context=_no_context, block=_plain_block, head=_identity, wrap_output=_lm_output,
+                       entry=PIPELINE_ENTRY)
+
+
+def _block_list(model: nn.Module) -> str:
+    """The path of the model's one list of repeated blocks (lists inside a block, e.g. experts, not counted)."""
+    lists = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 2
+             and len({type(c) for c in m}) == 1 and any(True for _ in m.parameters())]
+    top = [n for n in lists if not any(n.startswith(o + ".") for o in lists if o != n)]
+    if len(top) != 1:
+        found = f"{len(top)} ({', '.join(top)})" if top else "none"
+        raise ConfigurationError(f"pipeline parallelism cuts one list of repeated blocks; {type(model).__name__} "
+                                 f"has {found}. Plan it without pipeline parallelism (pp=1)")
+    return top[0]
+
+
+def _outside_blocks(model: nn.Module, blocks: str, example: torch.Tensor | None) -> tuple[tuple[str, ...], ...]:
+    """(modules owning parameters called before the blocks, those called after), in call order, from a
+    fake-tensor forward (registration order is not call order: OPT registers its final norm first)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    owners = [n for n, m in model.named_modules() if n and m._parameters and not n.startswith(blocks + ".")
+              and n != blocks]
+    owners = [n for n in owners if not any(n.startswith(o + ".") for o in owners if o != n)]
+    order: list[str] = []
+    hooks = [model.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: order.append(n)) for n in owners]
+    first_block = next(iter(model.get_submodule(blocks)))
+    hooks.append(first_block.register_forward_pre_hook(lambda m, a: order.append(blocks)))
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            x = torch.zeros((1, 2), dtype=torch.long) if example is None else \
+                torch.empty((1, *example.shape[1:]), dtype=example.dtype)
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    seen = list(dict.fromkeys(order))
+    at = seen.index(blocks) if blocks in seen else len(seen)
+    first = [n for n in seen[:at]] + [n for n in owners if n not in seen]  # never called: kept with chunk 0
+    return tuple(first), tuple(n for n in seen[at + 1:] if n not in first)
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -165,6 +181,9 @@ class PipelineChunk(nn.Module):
         self.is_first, self.is_last = index == 0, index == num_chunks - 1
         self.layers = range(*layers)
         self.config = getattr(model, "config", None)
+        self.__dict__["whole"] = model  # not a submodule: the chunk holds only its own parameters
+        # the model's own forward, bound now: the pipelined model's class later refuses direct calls
+        self.__dict__["whole_forward"] = type(model).forward.__get__(model)
         for path in self.module_paths():
             module = model.get_submodule(path)
             _attach(self, path, module)
@@ -177,6 +196,8 @@ class PipelineChunk(nn.Module):
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         f = self.family
+        if f.entry is not None:
+            return _run_own_forward(self, x)
         h = f.embed(self, x) if self.is_first else x
         if self.layers:
             ctx = f.context(self, h)
@@ -188,6 +209,87 @@ class PipelineChunk(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x) if self.boundary is None else self.boundary(self, x)
+
+
+class _ChunkDone(Exception):  # noqa: N818 - control flow, not an error: the chunk's last block has run
+    def __init__(self, h: torch.Tensor) -> None:
+        super().__init__()
+        self.h = h
+
+
+class _Absent(nn.Module):
+    """Stands in for a module of another chunk while a chunk runs: before the blocks it returns a zero (its
+    result never reaches the blocks, whose input is replaced), after them it ends the chunk with its input."""
+
+    def __init__(self, ends_chunk: bool) -> None:
+        super().__init__()
+        self.ends_chunk = ends_chunk
+
+    def forward(self, *args, **kwargs):
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if self.ends_chunk:
+            raise _ChunkDone(x)
+        return torch.zeros((), device=x.device if x is not None else None)
+
+
+def _first_tensor_replaced(x: torch.Tensor):
+    def hook(module, args, kwargs):
+        if args:
+            return (x, *args[1:]), kwargs
+        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        return args, {**kwargs, key: x}
+    return hook
+
+
+def _stop_after(module, args, out):
+    raise _ChunkDone(out[0] if isinstance(out, tuple) else out)
+
+
+@contextmanager
+def _swapped_modules(root: nn.Module, replacements: dict[str, nn.Module]):
+    saved = []
+    for path, module in replacements.items():
+        parent_path, _, name = path.rpartition(".")
+        parent = root.get_submodule(parent_path) if parent_path else root
+        saved.append((parent, name, parent._modules.get(name)))
+        parent._modules[name] = module
+    try:
+        yield
+    finally:
+        for parent, name, module in reversed(saved):
+            parent._modules[name] = module
+
+
+def _run_own_forward(chunk: PipelineChunk, x: torch.Tensor):
+    """The chunk through the model's own forward (module docstring): the block list holds only this chunk's
+    blocks; other chunks' modules are stubs; a later chunk enters with `inputs_embeds=x` and its first block
+    (or, without blocks, its first module after them) takes `x`; a chunk that is not last ends after its
+    last block."""
+    f, model = chunk.family, chunk.whole
+    if not chunk.layers and not chunk.is_first and not chunk.is_last:
+        return x
+    blocks = model.get_submodule(f.blocks)
+    mine = OrderedDict((str(i), chunk.get_submodule(f"{f.blocks}.{i}")) for i in chunk.layers)
+    stubs = {p: _Absent(ends_chunk=False) for p in f.first if not chunk.is_first}
+    stubs |= {p: _Absent(ends_chunk=True) for p in f.last if not chunk.is_last}
+    hooks = []
+    if mine and not chunk.is_last:
+        hooks.append(next(reversed(mine.values())).register_forward_hook(_stop_after))
+    if not chunk.is_first:
+        entry = next(iter(mine.values())) if mine else chunk.get_submodule(f.last[0])
+        hooks.append(entry.register_forward_pre_hook(_first_tensor_replaced(x), with_kwargs=True))
+    saved = blocks._modules
+    blocks._modules = mine
+    try:
+        with _swapped_modules(model, stubs):
+            out = chunk.whole_forward(x) if chunk.is_first else chunk.whole_forward(**{f.entry: x})
+    except _ChunkDone as done:
+        return done.h
+    finally:
+        blocks._modules = saved
+        for h in hooks:
+            h.remove()
+    return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
 
 
 def _check_layers(stage_layers: tuple[tuple[int, int], ...], num_blocks: int, model: nn.Module) -> None:
@@ -203,9 +305,11 @@ def _check_layers(stage_layers: tuple[tuple[int, int], ...], num_blocks: int, mo
                              f"{num_blocks} blocks of this {type(model).__name__} in order; re-plan for this model")
 
 
-def build_chunks(model: nn.Module, stage_layers: tuple[tuple[int, int], ...]) -> list[PipelineChunk]:
-    """Every chunk of the pipeline, in model order (the caller keeps the ones on this rank)."""
-    family = family_of(model)
+def build_chunks(model: nn.Module, stage_layers: tuple[tuple[int, int], ...],
+                 example: torch.Tensor | None = None) -> list[PipelineChunk]:
+    """Every chunk of the pipeline, in model order (the caller keeps the ones on this rank); `example` as for
+    `family_of`."""
+    family = family_of(model, example)
     num_blocks = len(model.get_submodule(family.blocks))
     _check_layers(stage_layers, num_blocks, model)
     chunks = [PipelineChunk(model, family, c, len(stage_layers), lay) for c, lay in enumerate(stage_layers)]

@@ -1,0 +1,81 @@
+"""What the runtime can run, stated once: the planner offers only plans that pass these checks, `estimate`
+rejects a hand-given configuration that fails one, and the runtime raises the same reason when handed a plan
+that does not (a plan file from elsewhere, an edited one).
+
+- Tensor parallelism splits attention by heads: every head count the model's attention reads (query heads
+  and, with grouped-query or multi-query attention, key/value heads) must divide by the degree of every
+  tensor-parallel axis that splits them (Megatron-LM: `--tensor-model-parallel-size` must divide
+  `--num-query-groups`). A degree that does not divide is never offered.
+- Pipeline stages are cut from the captured graph's one list of repeated blocks: chunk 0 also holds what
+  runs before the blocks, the last chunk what runs after them. The runtime enters a later chunk through
+  the model's own forward with `inputs_embeds=` (every decoder in `transformers` takes it), or through the
+  explicit description of one of autoshard's own test models; a model with two block lists (an encoder and
+  a decoder) or none, or whose forward takes no `inputs_embeds`, is not pipelined.
+- Schedules: 1F1B needs at least as many micro-batches as stages; interleaved 1F1B a number of
+  micro-batches that is a multiple of micro-batches // stages (torch.distributed.pipelining's rounds).
+"""
+
+from __future__ import annotations
+
+import math
+
+from autoshard.capture.ir import OpGraph, OpKind
+
+__all__ = ["attention_head_counts", "tp_degree_fits_heads", "largest_head_divisor", "pipeline_blocker",
+           "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
+
+# autoshard's own test models whose chunk forwards runtime/pipeline_split.py describes by hand
+OWN_PIPELINE_CLASSES = ("GQAGPT", "MLP")
+PIPELINE_ENTRY = "inputs_embeds"  # the keyword a later chunk enters the model's forward with
+
+
+def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:
+    """Head counts of every (B, heads, S, d) tensor an attention op reads or writes (1 = broadcast mask)."""
+    counts = set()
+    for op in graph.ops:
+        if op.kind is not OpKind.ATTENTION:
+            continue
+        for meta in (*op.input_meta, op.output_meta):
+            if len(meta.shape) == 4 and meta.shape[1] > 1:
+                counts.add(meta.shape[1])
+    if not counts:  # attention as matmuls (eager): the scores' head dim
+        for op in graph.ops:
+            if op.kind is OpKind.MATMUL and len(op.output_meta.shape) == 4 and op.output_meta.shape[1] > 1:
+                counts.add(op.output_meta.shape[1])
+    return tuple(sorted(counts))
+
+
+def largest_head_divisor(graph: OpGraph) -> int:
+    """The gcd of the head counts (0 for a model without attention): what a head-splitting degree divides."""
+    return math.gcd(*attention_head_counts(graph)) if attention_head_counts(graph) else 0
+
+
+def tp_degree_fits_heads(graph: OpGraph, degree: int) -> bool:
+    heads = largest_head_divisor(graph)
+    return heads == 0 or heads % degree == 0
+
+
+def pipeline_blocker(graph: OpGraph) -> str | None:
+    """Why the runtime cannot cut this model into pipeline stages, or None when it can."""
+    if not graph.blocks:
+        return "it has no list of repeated blocks to cut"
+    if len(graph.blocks) > 1:
+        names = ", ".join(b.name for b in graph.blocks)
+        return f"it has {len(graph.blocks)} lists of repeated blocks ({names}); stages cut one list"
+    if graph.root_type in OWN_PIPELINE_CLASSES or PIPELINE_ENTRY in graph.root_kwargs:
+        return None
+    return (f"its forward ({graph.root_type or 'the model'}) takes no {PIPELINE_ENTRY}= to enter a later "
+            "stage with hidden states")
+
+
+def schedule_blocker(schedule: str, degree: int, num_microbatches: int) -> str | None:
+    """Why torch.distributed.pipelining cannot run `schedule` on `degree` stages with that many micro-batches."""
+    m = num_microbatches
+    if schedule == "1f1b" and m < degree:
+        return (f"1F1B needs at least as many micro-batches as stages: {m} < {degree}; raise the global batch, "
+                "lower the micro-batch or use gpipe")
+    rounds = max(1, m // degree)
+    if schedule == "interleaved-1f1b" and m % rounds:
+        return (f"interleaved 1F1B needs a number of micro-batches that is a multiple of {rounds} "
+                f"(micro-batches // pp degree), got {m}")
+    return None
