@@ -11,6 +11,12 @@ that does not (a plan file from elsewhere, an edited one).
   the model's own forward with `inputs_embeds=` (every decoder in `transformers` takes it), or through the
   explicit description of one of autoshard's own test models; a model with two block lists (an encoder and
   a decoder) or none, or whose forward takes no `inputs_embeds`, is not pipelined.
+- Operators DTensor cannot run: a model whose graph has one (the grouped expert matmul `grouped_mm` of
+  mixture-of-experts layers in `transformers`; DTensor's sharding propagation runs its meta kernel, which
+  takes only bf16) trains on plain tensors, data parallel and sharded data parallel per operator: no
+  tensor-parallel mesh and no pipeline (whose stages compute on DTensors) is offered for it.
+- Convolutions are replicated on the tensor-parallel axes (the runtime has no channel-parallel convolution;
+  planner/strategies.py offers only those strategies for them).
 - Schedules: 1F1B needs at least as many micro-batches as stages; interleaved 1F1B a number of
   micro-batches that is a multiple of micro-batches // stages (torch.distributed.pipelining's rounds).
 """
@@ -21,12 +27,24 @@ import math
 
 from autoshard.capture.ir import OpGraph, OpKind
 
-__all__ = ["attention_head_counts", "tp_degree_fits_heads", "largest_head_divisor", "pipeline_blocker",
+__all__ = ["spmd_blocker", "attention_head_counts", "tp_degree_fits_heads", "largest_head_divisor", "pipeline_blocker",
            "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
 
 # autoshard's own test models whose chunk forwards runtime/pipeline_split.py describes by hand
 OWN_PIPELINE_CLASSES = ("GQAGPT", "MLP")
 PIPELINE_ENTRY = "inputs_embeds"  # the keyword a later chunk enters the model's forward with
+
+
+SPMD_UNSUPPORTED = ("grouped_mm",)  # ATen targets (substrings) with no DTensor rule the runtime can rely on
+
+
+def spmd_blocker(graph: OpGraph) -> str | None:
+    """Why the model cannot compute on DTensors (tensor parallelism, pipeline stages), or None."""
+    bad = sorted({t for t in graph.unknown_ops if any(u in t for u in SPMD_UNSUPPORTED)})
+    if bad:
+        return (f"its {', '.join(bad)} operators (mixture-of-experts expert matmuls) have no DTensor sharding "
+                "rule in fp32; it runs data parallel / sharded data parallel on plain tensors")
+    return None
 
 
 def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:

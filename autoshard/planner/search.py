@@ -22,7 +22,7 @@ from autoshard.errors import InfeasiblePlanError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.candidate_bound import edge_times, knapsack_bound_s
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import largest_head_divisor, pipeline_blocker, schedule_blocker
+from autoshard.planner.contract import largest_head_divisor, pipeline_blocker, schedule_blocker, spmd_blocker
 from autoshard.planner.evaluate import (
     Evaluation,
     evaluate,
@@ -42,6 +42,7 @@ __all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search
 
 log = logging.getLogger(__name__)
 SPACE = ("dp", "zero", "tp1d", "tp2d", "tp3d", "pp")
+TP_FAMILIES = frozenset({"tp1d", "tp2d", "tp3d"})
 _FAMILY_OF = {"col": "tp1d", "row": "tp1d", "col+sp": "tp1d", "vocab": "tp1d", "2d": "tp2d", "3d-yz": "tp3d",
               "3d-zy": "tp3d"}
 
@@ -135,11 +136,12 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
     prec = default_precision(cluster)
     recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) else [])
     max_zero = 3 if "zero" in space else 0
-    cuttable = pipeline_blocker(graph) is None
+    spmd = spmd_blocker(graph) is None
+    cuttable = spmd and pipeline_blocker(graph) is None
     pps = [p for p in _divisors(n) if p == 1 or ("pp" in space and cuttable and p <= graph.num_layers)]
     found, pruned = [], 0
     for pp in pps:
-        for tp in _tp_meshes(gpn, largest_head_divisor(graph), space):
+        for tp in _tp_meshes(gpn, largest_head_divisor(graph), space if spmd else space - TP_FAMILIES):
             tdeg = math.prod(tp.values())
             if n % (pp * tdeg):
                 continue

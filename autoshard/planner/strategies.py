@@ -305,11 +305,19 @@ def same_strategy(a: OpStrategy, b: OpStrategy) -> bool:
         replace(b, params=tuple(replace(p, name="") for p in b.params))
 
 
+def _tp_replicated(st: OpStrategy) -> bool:
+    layouts = [*st.inputs, st.output, *(x for p in st.params for x in (p.compute, p.storage))]
+    return all(axis == "dp" for lay in layouts for axis, _ in lay.items)
+
+
 def strategies_for(op: Op, mesh: MeshSpec, micro_batch: int, *, zero_options=ZERO_OPTIONS) -> list[OpStrategy]:
     """Every candidate strategy of `op` on `mesh`; empty for ops that are not planned (inputs, masks)."""
     if op.kind not in PLANNED_KINDS:
         return []
-    if op.kind in (OpKind.LINEAR, OpKind.CONV) and op.gemm is not None:
+    if op.kind is OpKind.CONV and op.gemm is not None:
+        # no channel-parallel convolution in the runtime: replicated on the tensor-parallel axes (contract.py)
+        return [st for st in _linear_strategies(op, mesh, micro_batch, zero_options) if _tp_replicated(st)]
+    if op.kind is OpKind.LINEAR and op.gemm is not None:
         return _linear_strategies(op, mesh, micro_batch, zero_options)
     if op.kind is OpKind.EMBEDDING and op.params:
         return _embedding_strategies(op, mesh, micro_batch, zero_options)

@@ -115,6 +115,7 @@ def _groups(model: nn.Module, specs: dict[str, ModuleSpec]) -> list[tuple[list[n
             units += [(s, spec.zero, spec.op, _unit_key(path, spec, i)) for i, s in enumerate(module.slices)]
         if any(True for _ in module.parameters(recurse=False)):
             units.append((module, spec.zero, spec.op, _unit_key(path, spec, None)))
+    _add_unplanned_holders(model, units)
     parent = list(range(len(units)))  # union-find over units: same key, or a shared parameter
 
     def root(i: int) -> int:
@@ -138,6 +139,22 @@ def _groups(model: nn.Module, specs: dict[str, ModuleSpec]) -> list[tuple[list[n
                         ", ".join(units[i][2] for i in idx), sorted(zeros), max(zeros))
         groups.append(([units[i][0] for i in idx], max(zeros)))
     return groups
+
+
+def _add_unplanned_holders(model: nn.Module, units: list) -> None:
+    """A module that holds a parameter some unit holds but is not planned itself (BART's `shared` embedding,
+    the decoder's copy of a tied embedding, whose op does not own it in the graph) joins that unit's group:
+    FSDP manages each parameter in one group only."""
+    in_units = {id(u[0]) for u in units}
+    by_param = {id(p): u for u in units for p in u[0].parameters(recurse=False)}
+    for pid, holders in param_owners(model).items():
+        unit = by_param.get(pid)
+        if unit is None:
+            continue
+        for module, _, _ in holders:
+            if id(module) not in in_units:
+                in_units.add(id(module))
+                units.append((module, unit[1], unit[2], unit[3]))
 
 
 def _dp_shard_dim(param: nn.Parameter) -> Shard | None:

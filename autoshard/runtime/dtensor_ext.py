@@ -62,6 +62,13 @@ def _flash_cpu_bwd_rule(grad, q, k, v, out, lse, dropout_p, is_causal, *, attn_m
     return rules
 
 
+def _fill_rule(self, value):
+    """`x.fill_(v)` with a scalar tensor `v` (BART's shift_tokens_right): the output keeps x's layout."""
+    rules = [([Replicate()], [Replicate(), Replicate()])]
+    rules += [([Shard(d)], [Shard(d), Replicate()]) for d in range(self.ndim)]
+    return rules
+
+
 @functools.cache
 def register_dtensor_rules() -> None:
     """Register our sharding rules once per process, only for ops DTensor does not cover itself."""
@@ -70,7 +77,8 @@ def register_dtensor_rules() -> None:
     propagator = DTensor._op_dispatcher.sharding_propagator
     known = set(propagator.op_strategy_funcs) | set(propagator.op_to_rules)
     known |= set(getattr(propagator, "op_single_dim_strategy_funcs", {}))
-    for op, rule in ((_FLASH_CPU, _flash_cpu_fwd_rule), (_FLASH_CPU_BWD, _flash_cpu_bwd_rule)):
+    for op, rule in ((_FLASH_CPU, _flash_cpu_fwd_rule), (_FLASH_CPU_BWD, _flash_cpu_bwd_rule),
+                     (aten.fill_.Tensor, _fill_rule)):
         if op not in known:
             register_sharding(op)(rule)
 

@@ -1,0 +1,94 @@
+"""Architectures from `transformers`, built from tiny configs with their default settings (and a plain CNN of
+our own), for the conformance matrix (test_model_zoo.py). Sizes are the smallest that keep each family's
+structure: 2 blocks, 4 query heads (2 key/value heads where the family groups them), hidden 32."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["ARCHS", "DECODERS", "build", "example", "batch", "loss_fn"]
+
+VOCAB, SEQ, CLASSES = 128, 8, 10
+_C = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB,
+          max_position_embeddings=64)
+
+
+class SmallCNN(nn.Module):
+    """A plain CNN: two convolutions, pooling, a linear classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _hf(name: str):
+    import transformers as T
+
+    builders = {
+        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                                    ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64,
+                                                    word_embed_proj_dim=32)),
+        "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**_C, num_key_value_heads=2, head_dim=8)),
+        "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**_C, num_key_value_heads=2, head_dim=8)),
+        "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**_C, num_key_value_heads=2, head_dim=8)),
+        "phi": lambda: T.PhiForCausalLM(T.PhiConfig(**_C)),
+        "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**_C, num_key_value_heads=4, pad_token_id=0,
+                                                       eos_token_id=1, bos_token_id=1)),
+        "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(hidden_size=32, num_attention_heads=4,
+                                                             num_hidden_layers=2, vocab_size=VOCAB)),
+        "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**_C, num_key_value_heads=2)),
+        "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**_C, num_key_value_heads=2, num_local_experts=4,
+                                                                num_experts_per_tok=2)),
+        "qwen2moe": lambda: T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**_C, num_key_value_heads=2, num_experts=4,
+                                                                   num_experts_per_tok=2, moe_intermediate_size=32,
+                                                                   shared_expert_intermediate_size=64)),
+        "bart": lambda: T.BartForConditionalGeneration(T.BartConfig(
+            d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64)),
+        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                              num_heads=4, vocab_size=VOCAB)),
+        "vit": lambda: T.ViTForImageClassification(T.ViTConfig(hidden_size=32, num_hidden_layers=2,
+                                                               num_attention_heads=4, intermediate_size=64,
+                                                               image_size=32, patch_size=8, num_labels=CLASSES)),
+    }
+    return builders[name]()
+
+
+ARCHS = ("opt", "mistral", "gemma", "gemma2", "phi", "phi3", "falcon", "qwen2", "mixtral", "qwen2moe", "bart",
+         "t5", "vit", "cnn")
+DECODERS = ("opt", "mistral", "gemma", "gemma2", "phi", "phi3", "falcon", "qwen2", "mixtral", "qwen2moe")
+_IMAGES = ("vit", "cnn")
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = SmallCNN() if name == "cnn" else _hf(name)
+    return model.eval()  # dropout off: the comparison is of the arithmetic, not of random masks
+
+
+def batch(name: str, size: int, seed: int = 1) -> tuple[tuple, torch.Tensor]:
+    """(model inputs, target) of a global batch: token ids and next tokens, or images and labels. T5 takes
+    its decoder's ids positionally, as its forward orders them (input_ids, attention_mask, decoder_input_ids)."""
+    g = torch.Generator().manual_seed(seed)
+    if name in _IMAGES:
+        return (torch.randn(size, 3, 32, 32, generator=g),), torch.randint(0, CLASSES, (size,), generator=g)
+    ids = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    target = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    if name == "t5":
+        return (ids, None, torch.randint(0, VOCAB, (size, SEQ), generator=g)), target
+    return (ids,), target
+
+
+def example(name: str) -> tuple:
+    return batch(name, 2)[0]
+
+
+def loss_fn(out, target: torch.Tensor) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
