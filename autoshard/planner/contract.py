@@ -48,18 +48,27 @@ def spmd_blocker(graph: OpGraph) -> str | None:
 
 
 def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:
-    """Head counts of every (B, heads, S, d) tensor an attention op reads or writes (1 = broadcast mask)."""
-    counts = set()
+    """Head counts of the (B, heads, S, head_dim) tensors of the model's attention: every 4-D tensor an op
+    makes with the attention's head_dim last. Key/value heads of grouped-query attention show here even
+    where the model repeats them to the query heads before its attention kernel (Mistral, Qwen2 through
+    `repeat_kv`), as rotary embedding's outputs of k. 1 (a broadcast mask, multi-query k/v) is no constraint."""
+    head_dims, counts = set(), set()
     for op in graph.ops:
-        if op.kind is not OpKind.ATTENTION:
-            continue
-        for meta in (*op.input_meta, op.output_meta):
-            if len(meta.shape) == 4 and meta.shape[1] > 1:
-                counts.add(meta.shape[1])
-    if not counts:  # attention as matmuls (eager): the scores' head dim
+        if op.kind is OpKind.ATTENTION:
+            for meta in (*op.input_meta, op.output_meta):
+                if len(meta.shape) == 4 and meta.shape[1] > 1:
+                    head_dims.add(meta.shape[3])
+                    counts.add(meta.shape[1])
+    if not counts:  # attention as matmuls (eager): q @ k^T's heads, and q's head_dim
         for op in graph.ops:
             if op.kind is OpKind.MATMUL and len(op.output_meta.shape) == 4 and op.output_meta.shape[1] > 1:
                 counts.add(op.output_meta.shape[1])
+                if op.input_meta and len(op.input_meta[0].shape) == 4:
+                    head_dims.add(op.input_meta[0].shape[3])
+    for op in graph.ops:
+        if op.layer is not None and len(op.output_meta.shape) == 4 and op.output_meta.shape[3] in head_dims \
+                and op.output_meta.shape[1] not in (1, graph.seq_len):  # (B, S, heads, d) before a transpose
+            counts.add(op.output_meta.shape[1])
     return tuple(sorted(counts))
 
 

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autoshard.capture.export import training_outputs
 from autoshard.errors import ConfigurationError
 from autoshard.planner.plan import Plan
 from autoshard.runtime.dtensor_ext import SPMDMode
@@ -113,6 +114,10 @@ class ParallelModule:
         state = self._autoshard
         if not state.spmd:  # data parallel only: FSDP2 on ordinary tensors, inputs and outputs as they are
             return super().forward(*args, **kwargs)  # type: ignore[misc]
+        with training_outputs(self):  # no key/value cache: it would hold DTensors between steps
+            return self._spmd_forward(state, args, kwargs)
+
+    def _spmd_forward(self, state, args, kwargs):
         if state.local:
             first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
             state.local_batch = first.shape[0] if first is not None and first.dim() > 0 else None

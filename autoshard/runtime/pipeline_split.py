@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from autoshard.capture.export import training_outputs
 from autoshard.errors import ConfigurationError
 from autoshard.planner.contract import OWN_PIPELINE_CLASSES, PIPELINE_ENTRY
 
@@ -281,7 +282,7 @@ def _run_own_forward(chunk: PipelineChunk, x: torch.Tensor):
     saved = blocks._modules
     blocks._modules = mine
     try:
-        with _swapped_modules(model, stubs):
+        with _swapped_modules(model, stubs), training_outputs(model):
             out = chunk.whole_forward(x) if chunk.is_first else chunk.whole_forward(**{f.entry: x})
     except _ChunkDone as done:
         return done.h
