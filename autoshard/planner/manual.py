@@ -66,6 +66,10 @@ def megatron_assignment(graph: OpGraph, mesh: MeshSpec, micro_batch: int, *, seq
         cands = strategies_for(op, mesh, micro_batch, zero_options=(zero,))
         cands = [c for c in cands if c.split == 1]
         st = _choose(graph, op, cands, origin, mesh, micro_batch, sequence_parallel and tp > 1)
+        tied = next((chosen[o] for o in chosen if op.kind is OpKind.EMBEDDING and _shares_param(graph, o, op)),
+                    None)
+        if tied is not None:  # one storage for a tied embedding (BART's encoder and decoder tokens)
+            st = _pick(cands, name=tied.name) or st
         if st is None:
             raise ConfigurationError(
                 f"no Megatron-style strategy fits {op.name} ({op.kind.value}, output {op.output_meta.shape}) "
@@ -74,6 +78,11 @@ def megatron_assignment(graph: OpGraph, mesh: MeshSpec, micro_batch: int, *, seq
         chosen[op.name] = st
     return {real: (chosen[t] if real == t else rebind(chosen[t], graph.op(real)))
             for real, t in tg.to_template.items() if t in chosen}
+
+
+def _shares_param(graph: OpGraph, other: str, op) -> bool:
+    names = {p.name for p in graph.op(other).params}
+    return any(p.name in names for p in op.params)
 
 
 def _origins(graph: OpGraph) -> dict[str, str]:

@@ -205,15 +205,44 @@ def test_chunks_keep_the_original_parameter_names():
                                                            "lm_head.weight"]
 
 
-def test_unknown_model_family_is_a_configuration_error_naming_its_class():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def test_a_model_whose_forward_takes_no_inputs_embeds_is_a_configuration_error_naming_its_class():
+    from transformers import ViTConfig, ViTModel
 
     from autoshard.runtime.pipeline_split import family_of
 
-    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64, vocab_size=64))
-    with pytest.raises(ConfigurationError, match="Qwen2ForCausalLM.*supported: GPT2LMHeadModel"):
+    model = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                               image_size=32, patch_size=8))
+    with pytest.raises(ConfigurationError, match="cannot cut a ViTModel.*takes no inputs_embeds"):
         family_of(model)
+
+
+def test_an_encoder_decoder_is_not_cut_and_the_error_names_both_block_lists():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from autoshard.runtime.pipeline_split import family_of
+
+    model = BartForConditionalGeneration(BartConfig(d_model=32, encoder_layers=2, decoder_layers=2,
+                                                    encoder_attention_heads=4, decoder_attention_heads=4,
+                                                    encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64))
+    with pytest.raises(ConfigurationError, match=r"has 2 \(model.encoder.layers, model.decoder.layers\)"):
+        family_of(model)
+
+
+@pytest.mark.parametrize("arch", ["opt", "gemma2", "falcon", "phi", "qwen2"])
+def test_any_transformers_decoder_is_cut_through_its_own_forward_bit_exactly(arch):
+    from zoo_archs import batch as zoo_batch
+    from zoo_archs import build as zoo_build
+
+    from autoshard.runtime.pipeline_split import build_chunks
+
+    model = zoo_build(arch)
+    (x,), _ = zoo_batch(arch, 2)
+    with torch.no_grad():
+        want = model(x).logits
+        h = x
+        for chunk in build_chunks(model, ((0, 1), (1, 1), (1, 2)), x):  # an empty chunk too
+            h = chunk(h)
+    assert torch.equal(h, want)
 
 
 def test_stage_layers_must_cover_the_blocks_in_order():

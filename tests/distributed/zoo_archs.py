@@ -92,3 +92,46 @@ def example(name: str) -> tuple:
 def loss_fn(out, target: torch.Tensor) -> torch.Tensor:
     logits = out.logits if hasattr(out, "logits") else out
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _grad_errors(ref: nn.Module, pm: nn.Module) -> tuple[float, str]:
+    from dist_checks import full_named
+
+    names = [n for n, _ in ref.named_parameters()]
+    local = {n for n, _ in pm.named_parameters(remove_duplicate=False)}
+    names = [n for n in names if n in local]  # a pipelined model holds this rank's stages only
+    got = full_named(pm, names, grads=True)
+    worst, where = 0.0, ""
+    for n in names:
+        g, w = got[n], ref.get_parameter(n).grad
+        d = float("inf") if g is None or w is None or g.shape != w.shape else (g - w).abs().max().item()
+        if d > worst:
+            worst, where = d, n
+    return worst, where
+
+
+def run_case(case: dict) -> dict:
+    """One matrix case on this rank: the parallel model (the parent's plan through `autoparallel`) against a
+    single-process copy, on one global batch: the loss and every gradient."""
+    import copy
+
+    from autoshard.runtime import autoparallel
+
+    name = case["arch"]
+    model = build(name)
+    ref = copy.deepcopy(model)
+    inputs, target = batch(name, case["batch"])
+    ref_loss = loss_fn(ref(*inputs), target)
+    ref_loss.backward()
+    world = torch.distributed.get_world_size()
+    pm = autoparallel(model, f"1x{world}xcpu", example_inputs=example(name), global_batch=case["batch"],
+                      plan=case["plan"], graph=case["graph"], loss_fn=loss_fn)
+    *local, local_target = pm.shard_inputs((*inputs, target))
+    loss = pm.train_step(tuple(local), local_target)
+    grad_diff, worst = _grad_errors(ref, pm)
+    return {"id": case["id"], "loss_diff": abs(loss.item() - ref_loss.item()), "grad_diff": grad_diff,
+            "grad_worst": worst, "mesh": str(pm.plan.mesh)}
+
+
+def matrix_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    return [run_case(c) for c in cases]
