@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.memory import ALLOCATORS
 from autoshard.errors import ConfigurationError
-from autoshard.planner.contract import attention_head_counts, pipeline_blocker, tp_degree_fits_heads
 from autoshard.planner.bounds import block_costs
 from autoshard.planner.context import PlanContext, default_precision
+from autoshard.planner.contract import attention_head_counts, pipeline_blocker, tp_degree_fits_heads
 from autoshard.planner.evaluate import Evaluation, evaluate
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.manual import even_stage_layers, megatron_assignment
