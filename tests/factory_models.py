@@ -21,3 +21,34 @@ def raises():
 
 def not_a_module():
     return 42
+
+
+# Hugging Face decoders as a user writes them: default configs (use_cache=True), no arguments for autoshard
+def _small(cfg_cls, **kw):
+    return cfg_cls(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                   intermediate_size=64, vocab_size=128, max_position_embeddings=64, **kw)
+
+
+def default_mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(_small(MistralConfig))
+
+
+def default_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(_small(Qwen2Config))
+
+
+def default_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(_small(MixtralConfig, num_local_experts=4, num_experts_per_tok=2))
+
+
+def default_opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return OPTForCausalLM(OPTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64,
+                                    vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=32))

@@ -32,6 +32,7 @@ class LoadedModel:
     module: nn.Module
     spec: ModelSpec | None = None
     inputs: tuple | None = None  # example inputs a factory returned (any batch)
+    seq_override: int | None = None  # --seq for a factory model: the token inputs' length
 
     @property
     def seq(self) -> int | None:
@@ -40,11 +41,11 @@ class LoadedModel:
     def example_inputs(self, batch: int = 1, *, device: str | torch.device = "meta") -> tuple:
         """Inputs of `batch` samples for tracing (token ids, pixels or features)."""
         if self.inputs is not None:
-            return tuple(_rebatch(x, batch) for x in self.inputs)
+            return tuple(_with_seq(_rebatch(x, batch), self.seq_override, self.name) for x in self.inputs)
         spec = self.spec
         if spec is None:
             cfg = getattr(self.module, "config", None)
-            vocab, seq = getattr(cfg, "vocab_size", None), _config_seq(cfg)
+            vocab, seq = getattr(cfg, "vocab_size", None), self.seq_override or _config_seq(cfg)
             if vocab is None or seq is None:
                 raise ModelSpecError(f"{self.name}: cannot guess example inputs; make the factory return "
                                      "(model, example_inputs)")
@@ -54,6 +55,18 @@ class LoadedModel:
         if spec.family == "mlp":
             return (torch.zeros(batch, spec.hidden, device=device),)
         return (torch.zeros(batch, spec.seq, dtype=torch.long, device=device),)
+
+
+def _with_seq(x, seq: int | None, name: str):
+    """A token-id input (batch, length) of the factory's, at length `seq` (--seq)."""
+    if seq is None or not isinstance(x, torch.Tensor):
+        return x
+    if x.dim() != 2 or x.dtype.is_floating_point:
+        raise ModelSpecError(f"--seq sets the length of token-id inputs, but {name}'s example input has shape "
+                             f"{tuple(x.shape)} ({x.dtype}); drop --seq or make the factory build inputs of "
+                             "the length you want")
+    reps = -(-seq // x.shape[1])
+    return x.repeat(1, reps)[:, :seq]
 
 
 def _rebatch(x, batch: int):
@@ -94,7 +107,13 @@ def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | No
         raise ModelSpecError(f"model must be a zoo name, a spec string or module:factory, got {ref!r}")
     head = ref.split(":", 1)[0].strip().lower()
     if ":" in ref and head not in FAMILIES:
-        return _load_factory(ref, device)
+        loaded = _load_factory(ref, device)
+        if seq is not None:
+            if seq <= 0:
+                raise ModelSpecError(f"--seq must be a positive integer, got {seq}")
+            loaded = replace(loaded, name=f"{loaded.name}@seq{seq}", seq_override=seq)
+            loaded.example_inputs(2)  # a factory whose inputs are not token ids says so now
+        return loaded
     spec = resolve_spec(ref)
     if seq is not None:
         if seq <= 0:

@@ -1,0 +1,69 @@
+"""Hugging Face models as users build them: default configs (use_cache=True) plan through `module:factory`,
+`--seq` applies to factory models (or says why not), and the contract keeps plans the runtime cannot run out."""
+
+import json
+
+import pytest
+
+from autoshard.cli import main
+
+
+@pytest.mark.parametrize("factory", ["default_mistral", "default_opt", "default_qwen2", "default_mixtral"])
+def test_plan_of_a_default_config_decoder_works_without_use_cache_argument(factory, capsys):
+    code = main(["plan", f"tests.factory_models:{factory}", "--cluster", "1x4xcpu", "--global-batch", "8",
+                 "--json", "--time-limit", "10"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    plan = json.loads(out)
+    assert plan["ops"] and plan["mesh"]
+
+
+def test_config_use_cache_is_restored_after_capture():
+    import torch
+
+    from autoshard.capture import capture
+    from tests.factory_models import default_mistral
+
+    model = default_mistral()
+    assert model.config.use_cache is True
+    capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    assert model.config.use_cache is True
+
+
+def test_seq_sets_the_token_length_of_a_factory_model():
+    from autoshard.api import load_graph
+
+    assert load_graph("tests.factory_models:default_qwen2", seq=16).seq_len == 16
+    assert load_graph("tests.factory_models:default_qwen2", seq=8).seq_len == 8
+
+
+def test_seq_on_a_factory_whose_inputs_are_not_tokens_is_one_clear_error():
+    from autoshard.api import load_graph
+    from autoshard.errors import ModelSpecError
+
+    with pytest.raises(ModelSpecError, match="--seq sets the length of token-id inputs"):
+        load_graph("tests.factory_models:tiny_mlp", seq=16)
+
+
+def test_planner_never_splits_heads_a_key_value_head_count_does_not_divide():
+    from autoshard.api import load_graph
+    from autoshard.hardware_profiles import ClusterSpec
+    from autoshard.planner.search import enumerate_candidates, parse_space
+
+    graph = load_graph("tests.factory_models:default_mistral")  # 4 query heads, 2 key/value heads
+    found, _ = enumerate_candidates(graph, ClusterSpec.parse("1x4xcpu"), global_batch=8,
+                                    space=parse_space("dp,tp1d"), cap_bytes=1e12)
+    degrees = {c.mesh.degree("tp") for c in found}
+    assert degrees == {1, 2}  # tp=4 would split 2 key/value heads 4 ways
+
+
+def test_planner_offers_no_one_f_one_b_with_fewer_micro_batches_than_stages():
+    from autoshard.api import load_graph
+    from autoshard.hardware_profiles import ClusterSpec
+    from autoshard.planner.search import enumerate_candidates, parse_space
+
+    graph = load_graph("tests.factory_models:default_qwen2")
+    found, _ = enumerate_candidates(graph, ClusterSpec.parse("1x4xcpu"), global_batch=2,
+                                    space=parse_space("dp,pp"), cap_bytes=1e12)
+    pipelined = [c for c in found if c.pipe.degree > 1 and c.pipe.schedule == "1f1b"]
+    assert all(c.num_microbatches >= c.pipe.degree for c in pipelined)
