@@ -52,3 +52,13 @@ def default_opt():
 
     return OPTForCausalLM(OPTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64,
                                     vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=32))
+
+
+def mixtral_8x7b():
+    """Mixtral-8x7B's published config (Jiang et al. 2024, Table 1), default settings otherwise."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                            num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                            num_local_experts=8, num_experts_per_tok=2,
+                                            max_position_embeddings=4096))

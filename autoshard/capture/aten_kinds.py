@@ -21,7 +21,10 @@ VIEW = frozenset({
 })
 DTYPE_CASTS = frozenset({"to", "_to_copy", "type_as", "_autocast_to_reduced_precision",
                          "_autocast_to_full_precision"})
-GEMM = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "addbmm"})
+GEMM = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "addbmm",
+                  # mixture-of-experts expert matmuls: (tokens x top-k, in) @ (experts, in, out), rows grouped by
+                  # expert; FLOPs 2 x rows x in x out whatever the routing (transformers' fallback included)
+                  "grouped_mm", "_grouped_mm", "grouped_mm_fallback"})
 EMBEDDING = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
 NORM = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
                   "native_group_norm", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from autoshard.capture.ir import BlockGroup, Op
+from autoshard.capture.ir import BlockGroup, Op, OpKind
 
 __all__ = ["find_blocks", "block_signature"]
 
@@ -45,7 +45,7 @@ def find_blocks(ops: tuple[Op, ...]) -> tuple[tuple[Op, ...], tuple[BlockGroup, 
     types: dict[str, str] = {}
     for op in ops:
         key = _block_key(op.module_path) if op.module_path else None
-        if key is None:
+        if key is None or _scalar_bookkeeping(op):
             continue
         members.setdefault(key[0], {}).setdefault(key[1], []).append(op)
     groups: list[BlockGroup] = []
@@ -68,6 +68,12 @@ def find_blocks(ops: tuple[Op, ...]) -> tuple[tuple[Op, ...], tuple[BlockGroup, 
                 layer_of[op.name] = i
     new_ops = tuple(replace(op, layer=layer_of[op.name]) if op.name in layer_of else op for op in ops)
     return new_ops, tuple(groups)
+
+
+def _scalar_bookkeeping(op: Op) -> bool:
+    """A 0-d index with no cost (a size torch.export computes once, in the first MoE layer that needs it): not
+    part of any block's structure."""
+    return op.kind is OpKind.INDEX and not op.output_meta.shape and not op.params and not op.fwd_flops
 
 
 def _block_type(ops: list[Op], prefix: str, idx: int) -> str:

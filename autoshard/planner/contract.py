@@ -3,8 +3,9 @@ rejects a hand-given configuration that fails one, and the runtime raises the sa
 that does not (a plan file from elsewhere, an edited one).
 
 - Tensor parallelism splits attention by heads: every head count the model's attention reads (query heads
-  and, with grouped-query or multi-query attention, key/value heads) must divide by the degree of every
-  tensor-parallel axis that splits them (Megatron-LM: `--tensor-model-parallel-size` must divide
+  and, with grouped-query or multi-query attention, key/value heads), and the number of head-sized slices of
+  every projection in a block (a fused q/k/v), must divide by the degree of every tensor-parallel axis that
+  splits them (Megatron-LM: `--tensor-model-parallel-size` must divide
   `--num-query-groups`). A degree that does not divide is never offered.
 - Pipeline stages are cut from the captured graph's one list of repeated blocks: chunk 0 also holds what
   runs before the blocks, the last chunk what runs after them. The runtime enters a later chunk through
@@ -27,7 +28,7 @@ import math
 
 from autoshard.capture.ir import OpGraph, OpKind
 
-__all__ = ["spmd_blocker", "attention_head_counts", "tp_degree_fits_heads", "largest_head_divisor", "pipeline_blocker",
+__all__ = ["spmd_blocker", "expert_ops", "attention_head_counts", "tp_degree_fits_heads", "largest_head_divisor", "pipeline_blocker",
            "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
 
 # autoshard's own test models whose chunk forwards runtime/pipeline_split.py describes by hand
@@ -35,15 +36,18 @@ OWN_PIPELINE_CLASSES = ("GQAGPT", "MLP")
 PIPELINE_ENTRY = "inputs_embeds"  # the keyword a later chunk enters the model's forward with
 
 
-SPMD_UNSUPPORTED = ("grouped_mm",)  # ATen targets (substrings) with no DTensor rule the runtime can rely on
+def expert_ops(graph: OpGraph) -> list[str]:
+    """Ops holding a stack of expert weights (a 3-D parameter: experts x out x in), as capture records the
+    grouped expert matmuls of mixture-of-experts layers."""
+    return [op.name for op in graph.ops if op.kind is OpKind.LINEAR and any(len(p.shape) == 3 for p in op.params)]
 
 
 def spmd_blocker(graph: OpGraph) -> str | None:
     """Why the model cannot compute on DTensors (tensor parallelism, pipeline stages), or None."""
-    bad = sorted({t for t in graph.unknown_ops if any(u in t for u in SPMD_UNSUPPORTED)})
-    if bad:
-        return (f"its {', '.join(bad)} operators (mixture-of-experts expert matmuls) have no DTensor sharding "
-                "rule in fp32; it runs data parallel / sharded data parallel on plain tensors")
+    experts = expert_ops(graph)
+    if experts:
+        return (f"its expert matmuls ({experts[0]} and {len(experts) - 1} more; grouped_mm) have no DTensor "
+                "sharding rule in fp32; it runs data parallel / sharded data parallel on plain tensors")
     return None
 
 
@@ -66,9 +70,19 @@ def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:
                 if op.input_meta and len(op.input_meta[0].shape) == 4:
                     head_dims.add(op.input_meta[0].shape[3])
     for op in graph.ops:
-        if op.layer is not None and len(op.output_meta.shape) == 4 and op.output_meta.shape[3] in head_dims \
-                and op.output_meta.shape[1] not in (1, graph.seq_len):  # (B, S, heads, d) before a transpose
-            counts.add(op.output_meta.shape[1])
+        shape = op.output_meta.shape
+        if op.layer is None or len(shape) != 4 or shape[3] not in head_dims:
+            continue
+        heads = shape[2] if shape[1] == graph.seq_len else shape[1]  # (B, S, heads, d) before a transpose
+        if heads > 1:
+            counts.add(heads)
+    # a column split of a projection must cut whole heads: the head-sized slices of every Linear in a block
+    # (Falcon's fused multi-query q/k/v is heads + 2 slices, reshaped in a view the graph folds away)
+    hd = min(head_dims)
+    for op in graph.ops:
+        if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and op.params and op.layer is not None and op.gemm \
+                and op.gemm[1] % hd == 0:
+            counts.add(op.gemm[1] // hd)
     return tuple(sorted(counts))
 
 

@@ -71,9 +71,10 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
             f"tp x pp x dp = {cfg.tp} x {cfg.pp} x {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but cluster "
             f"{cluster} has {cluster.num_gpus} GPUs; choose degrees whose product is {cluster.num_gpus}")
     if not tp_degree_fits_heads(graph, cfg.tp):
-        counts = " and ".join(str(h) for h in attention_head_counts(graph))
-        raise ConfigurationError(f"tp={cfg.tp} does not divide the {counts} attention heads (query and key/value) "
-                                 "of this model; pick a tp that divides each")
+        counts = ", ".join(str(h) for h in attention_head_counts(graph))
+        raise ConfigurationError(f"tp={cfg.tp} does not divide the head counts {counts} of this model (query and "
+                                 "key/value heads, head-sized slices of its projections); pick a tp that divides "
+                                 "each")
     blocker = pipeline_blocker(graph) if cfg.pp > 1 else None
     if blocker:
         raise ConfigurationError(f"pp={cfg.pp}: this model cannot be cut into pipeline stages: {blocker}; use --pp 1")

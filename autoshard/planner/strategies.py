@@ -162,7 +162,9 @@ def dp_options(op: Op, mesh: MeshSpec, zero_options=ZERO_OPTIONS) -> list[tuple[
         return [(0, 1)]
     out = []
     for z in zero_options:
-        splits = SPLIT_OPTIONS if z == 3 and op.kind is OpKind.LINEAR else (1,)
+        # operator splitting slices an nn.Linear's weight; a stack of experts (3-D) is not split
+        splittable = op.kind is OpKind.LINEAR and all(len(p.shape) <= 2 for p in op.params)
+        splits = SPLIT_OPTIONS if z == 3 and splittable else (1,)
         out += [(z, s) for s in splits if s == 1 or (op.gemm and op.gemm[2] % s == 0)]
     return out
 

@@ -112,14 +112,15 @@ def test_parameter_bytes_per_rank_equal_the_planners_prediction(case_id, tmp_pat
     assert [r["param_bytes"] for r in results] == [results[0]["predicted_param_bytes"]] * len(results)
 
 
-COMM_TOLERANCE = 0.05
+# the cost model prices every family's collectives exactly but 3D's, whose measured bytes are within 1.05%
+COMM_TOLERANCE = {"mlp-3d": 0.011}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_bytes_issued_per_step_are_within_5_percent_of_the_cost_model(case_id, tmp_path_factory):
+def test_bytes_issued_per_step_equal_the_cost_model(case_id, tmp_path_factory):
     """Every collective kind the cost model prices, on every rank: measured bytes of one forward + backward
-    within 5% of `predicted_step_comm` (the whole step's bytes too). gloo has no all-to-all: DTensor falls back
+    equal `predicted_step_comm` (within `COMM_TOLERANCE` where the model is not exact). gloo has no all-to-all: DTensor falls back
     to an all-gather there, so the two kinds are compared together."""
     results = _world_results(CASES[case_id][0], str(tmp_path_factory.getbasetemp()))[case_id]
 
@@ -134,7 +135,8 @@ def test_bytes_issued_per_step_are_within_5_percent_of_the_cost_model(case_id, t
         print(f"{case_id} rank {rank}: measured {measured} predicted {predicted}")
         assert set(measured) == set(predicted), (measured, predicted)
         for kind, want in predicted.items():
-            assert abs(measured[kind] - want) <= COMM_TOLERANCE * want, (kind, measured, predicted)
+            tolerance = COMM_TOLERANCE.get(case_id, 1e-9)
+            assert abs(measured[kind] - want) <= tolerance * want, (kind, measured, predicted)
 
 
 # -- what 2D and 3D send: exactly the schemes the cost model prices --------------------------------------------
