@@ -78,6 +78,8 @@ def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:
             counts.add(heads)
     # a column split of a projection must cut whole heads: the head-sized slices of every Linear in a block
     # (Falcon's fused multi-query q/k/v is heads + 2 slices, reshaped in a view the graph folds away)
+    if not head_dims:
+        return tuple(sorted(counts))
     hd = min(head_dims)
     for op in graph.ops:
         if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and op.params and op.layer is not None and op.gemm \
