@@ -28,7 +28,7 @@ import math
 
 from autoshard.capture.ir import OpGraph, OpKind
 
-__all__ = ["spmd_blocker", "expert_ops", "attention_head_counts", "tp_degree_fits_heads", "largest_head_divisor", "pipeline_blocker",
+__all__ = ["spmd_blocker", "expert_ops", "attention_head_counts", "projection_head_slices", "tp_degree_fits_heads", "largest_head_divisor", "pipeline_blocker",
            "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
 
 # autoshard's own test models whose chunk forwards runtime/pipeline_split.py describes by hand
@@ -76,21 +76,30 @@ def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:
         heads = shape[2] if shape[1] == graph.seq_len else shape[1]  # (B, S, heads, d) before a transpose
         if heads > 1:
             counts.add(heads)
-    # a column split of a projection must cut whole heads: the head-sized slices of every Linear in a block
-    # (Falcon's fused multi-query q/k/v is heads + 2 slices, reshaped in a view the graph folds away)
-    if not head_dims:
-        return tuple(sorted(counts))
-    hd = min(head_dims)
-    for op in graph.ops:
-        if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and op.params and op.layer is not None and op.gemm \
-                and op.gemm[1] % hd == 0:
-            counts.add(op.gemm[1] // hd)
     return tuple(sorted(counts))
 
 
+def projection_head_slices(graph: OpGraph) -> dict[str, int]:
+    """Op -> number of head-sized slices of its output, for every projection in a block whose output is a
+    whole number of heads: a column split must cut whole heads (Falcon's fused multi-query q/k/v is heads + 2
+    slices, reshaped in a view the graph folds away)."""
+    head_dims = {m.shape[3] for op in graph.ops if op.kind is OpKind.ATTENTION
+                 for m in (*op.input_meta, op.output_meta) if len(m.shape) == 4}
+    head_dims |= {op.input_meta[0].shape[3] for op in graph.ops if op.kind is OpKind.MATMUL and op.input_meta
+                  and len(op.input_meta[0].shape) == 4 and len(op.output_meta.shape) == 4}
+    if not head_dims:
+        return {}
+    hd = min(head_dims)
+    return {op.name: op.gemm[1] // hd for op in graph.ops
+            if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and op.params and op.layer is not None and op.gemm
+            and op.gemm[1] % hd == 0}
+
+
 def largest_head_divisor(graph: OpGraph) -> int:
-    """The gcd of the head counts (0 for a model without attention): what a head-splitting degree divides."""
-    return math.gcd(*attention_head_counts(graph)) if attention_head_counts(graph) else 0
+    """The gcd of the head counts and projections' head slices (0 for a model without attention): what a
+    head-splitting degree divides."""
+    counts = (*attention_head_counts(graph), *projection_head_slices(graph).values())
+    return math.gcd(*counts) if counts else 0
 
 
 def tp_degree_fits_heads(graph: OpGraph, degree: int) -> bool:

@@ -9,7 +9,7 @@ from autoshard.cost_models.memory import ALLOCATORS
 from autoshard.errors import ConfigurationError
 from autoshard.planner.bounds import block_costs
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import attention_head_counts, pipeline_blocker, tp_degree_fits_heads
+from autoshard.planner.contract import attention_head_counts, pipeline_blocker, projection_head_slices
 from autoshard.planner.evaluate import Evaluation, evaluate
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.manual import even_stage_layers, megatron_assignment
@@ -70,11 +70,15 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
         raise ConfigurationError(
             f"tp x pp x dp = {cfg.tp} x {cfg.pp} x {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but cluster "
             f"{cluster} has {cluster.num_gpus} GPUs; choose degrees whose product is {cluster.num_gpus}")
-    if not tp_degree_fits_heads(graph, cfg.tp):
-        counts = ", ".join(str(h) for h in attention_head_counts(graph))
-        raise ConfigurationError(f"tp={cfg.tp} does not divide the head counts {counts} of this model (query and "
-                                 "key/value heads, head-sized slices of its projections); pick a tp that divides "
-                                 "each")
+    bad_heads = [h for h in attention_head_counts(graph) if h % cfg.tp]
+    if bad_heads:
+        raise ConfigurationError(f"tp={cfg.tp} does not divide the {' and '.join(map(str, bad_heads))} attention "
+                                 "heads (query, key/value) of this model; pick a tp that divides each")
+    bad_slices = {op: n for op, n in projection_head_slices(graph).items() if n % cfg.tp}
+    if bad_slices:
+        op, n = next(iter(bad_slices.items()))
+        raise ConfigurationError(f"tp={cfg.tp} does not divide the {n} head-sized slices of {op}'s output "
+                                 "(a column split must cut whole heads); pick a tp that divides it")
     blocker = pipeline_blocker(graph) if cfg.pp > 1 else None
     if blocker:
         raise ConfigurationError(f"pp={cfg.pp}: this model cannot be cut into pipeline stages: {blocker}; use --pp 1")

@@ -56,6 +56,8 @@ def _dp_dims(x: DTensor) -> tuple[bool, ...]:
 def _replicated_on_dp(ids: DTensor) -> bool:
     """The same ids on every dp rank (positions): DTensor's rule would give every dp rank the whole batch's
     weight gradient, which the dp reduction then sums a second time."""
+    if ids.ndim == 0 or ids.shape[0] == 1:  # (1, S) positions broadcast over the batch: DTensor's rule is right
+        return False
     return any(d and isinstance(p, Replicate) for d, p in zip(_dp_dims(ids), ids.placements, strict=True))
 
 

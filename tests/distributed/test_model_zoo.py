@@ -67,6 +67,8 @@ def _runnable_tp(arch: str) -> str | None:
 
 def _cases(arch: str) -> list[dict]:
     out = [("default", _planned(arch, None))]
+    if arch == "gemma":
+        out.append(("autoplan", None))  # autoparallel(plan=None): planned on rank 0 and broadcast
     if _runnable_tp(arch) is None:
         out.append(("tp", _asked(arch, tp=2, dp=2)))
         if arch in DECODERS:
@@ -99,6 +101,11 @@ def _results(arch: str) -> dict[str, dict]:
 @pytest.mark.parametrize("arch", RUN_ARCHS)
 def test_default_plan_equals_one_process(arch):
     r = _results(arch)[f"{arch}-default"]
+    assert r["loss_diff"] <= ATOL and r["grad_diff"] <= ATOL, r
+
+
+def test_autoparallel_without_a_plan_plans_on_rank_0_and_equals_one_process():
+    r = _results("gemma")["gemma-autoplan"]
     assert r["loss_diff"] <= ATOL and r["grad_diff"] <= ATOL, r
 
 

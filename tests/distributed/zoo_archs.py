@@ -124,8 +124,10 @@ def run_case(case: dict) -> dict:
     ref_loss = loss_fn(ref(*inputs), target)
     ref_loss.backward()
     world = torch.distributed.get_world_size()
+    # plan=None: rank 0 captures and plans, broadcasts the plan, every rank applies it (the README's usage)
     pm = autoparallel(model, f"1x{world}xcpu", example_inputs=example(name), global_batch=case["batch"],
-                      plan=case["plan"], graph=case["graph"], loss_fn=loss_fn)
+                      plan=case["plan"], graph=case["graph"] if case["plan"] is not None else None,
+                      loss_fn=loss_fn)
     *local, local_target = pm.shard_inputs((*inputs, target))
     loss = pm.train_step(tuple(local), local_target)
     grad_diff, worst = _grad_errors(ref, pm)
