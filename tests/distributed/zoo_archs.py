@@ -112,7 +112,8 @@ def _grad_errors(ref: nn.Module, pm: nn.Module) -> tuple[float, str]:
 
 def run_case(case: dict) -> dict:
     """One matrix case on this rank: the parallel model (the parent's plan through `autoparallel`) against a
-    single-process copy, on one global batch: the loss and every gradient."""
+    single-process copy, on one global batch: the loss and every gradient of the first step, and every
+    parameter after three AdamW steps."""
     import copy
 
     from autoshard.runtime import autoparallel
@@ -131,8 +132,34 @@ def run_case(case: dict) -> dict:
     *local, local_target = pm.shard_inputs((*inputs, target))
     loss = pm.train_step(tuple(local), local_target)
     grad_diff, worst = _grad_errors(ref, pm)
+    # then three AdamW steps on both (eps 1e-6 as in dist_checks: a near-zero gradient's rounding stays small)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    for step in range(3):
+        if step:
+            loss_fn(ref(*inputs), target).backward()
+            pm.train_step(tuple(local), local_target)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    param_diff, param_worst = _param_errors(ref, pm)
     return {"id": case["id"], "loss_diff": abs(loss.item() - ref_loss.item()), "grad_diff": grad_diff,
-            "grad_worst": worst, "mesh": str(pm.plan.mesh)}
+            "grad_worst": worst, "param_diff": param_diff, "param_worst": param_worst, "mesh": str(pm.plan.mesh)}
+
+
+def _param_errors(ref: nn.Module, pm: nn.Module) -> tuple[float, str]:
+    from dist_checks import full_named
+
+    local = {n for n, _ in pm.named_parameters(remove_duplicate=False)}
+    names = [n for n, _ in ref.named_parameters() if n in local]
+    got = full_named(pm, names, grads=False)
+    worst, where = 0.0, ""
+    for n in names:
+        d = (got[n].detach() - ref.get_parameter(n).detach()).abs().max().item()
+        if d > worst:
+            worst, where = d, n
+    return worst, where
 
 
 def matrix_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
