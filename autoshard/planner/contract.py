@@ -28,8 +28,8 @@ import math
 
 from autoshard.capture.ir import OpGraph, OpKind
 
-__all__ = ["spmd_blocker", "expert_ops", "attention_head_counts", "projection_head_slices", "tp_degree_fits_heads", "largest_head_divisor", "pipeline_blocker",
-           "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
+__all__ = ["spmd_blocker", "expert_ops", "attention_head_counts", "projection_head_slices", "largest_head_divisor",
+           "pipeline_blocker", "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
 
 # autoshard's own test models whose chunk forwards runtime/pipeline_split.py describes by hand
 OWN_PIPELINE_CLASSES = ("GQAGPT", "MLP")
@@ -51,11 +51,9 @@ def spmd_blocker(graph: OpGraph) -> str | None:
     return None
 
 
-def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:
-    """Head counts of the (B, heads, S, head_dim) tensors of the model's attention: every 4-D tensor an op
-    makes with the attention's head_dim last. Key/value heads of grouped-query attention show here even
-    where the model repeats them to the query heads before its attention kernel (Mistral, Qwen2 through
-    `repeat_kv`), as rotary embedding's outputs of k. 1 (a broadcast mask, multi-query k/v) is no constraint."""
+def _heads_and_head_dims(graph: OpGraph) -> tuple[set[int], set[int]]:
+    """(head counts, head dims) of the attention ops' (B, heads, S, head_dim) tensors; for attention written
+    as matmuls (eager), q @ k^T's heads and q's head_dim."""
     head_dims, counts = set(), set()
     for op in graph.ops:
         if op.kind is OpKind.ATTENTION:
@@ -63,12 +61,21 @@ def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:
                 if len(meta.shape) == 4 and meta.shape[1] > 1:
                     head_dims.add(meta.shape[3])
                     counts.add(meta.shape[1])
-    if not counts:  # attention as matmuls (eager): q @ k^T's heads, and q's head_dim
+    if not counts:
         for op in graph.ops:
             if op.kind is OpKind.MATMUL and len(op.output_meta.shape) == 4 and op.output_meta.shape[1] > 1:
                 counts.add(op.output_meta.shape[1])
                 if op.input_meta and len(op.input_meta[0].shape) == 4:
                     head_dims.add(op.input_meta[0].shape[3])
+    return counts, head_dims
+
+
+def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:
+    """Head counts of the (B, heads, S, head_dim) tensors of the model's attention: every 4-D tensor an op
+    makes with the attention's head_dim last. Key/value heads of grouped-query attention show here even
+    where the model repeats them to the query heads before its attention kernel (Mistral, Qwen2 through
+    `repeat_kv`), as rotary embedding's outputs of k. 1 (a broadcast mask, multi-query k/v) is no constraint."""
+    counts, head_dims = _heads_and_head_dims(graph)
     for op in graph.ops:
         shape = op.output_meta.shape
         if op.layer is None or len(shape) != 4 or shape[3] not in head_dims:
@@ -83,10 +90,7 @@ def projection_head_slices(graph: OpGraph) -> dict[str, int]:
     """Op -> number of head-sized slices of its output, for every projection in a block whose output is a
     whole number of heads: a column split must cut whole heads (Falcon's fused multi-query q/k/v is heads + 2
     slices, reshaped in a view the graph folds away)."""
-    head_dims = {m.shape[3] for op in graph.ops if op.kind is OpKind.ATTENTION
-                 for m in (*op.input_meta, op.output_meta) if len(m.shape) == 4}
-    head_dims |= {op.input_meta[0].shape[3] for op in graph.ops if op.kind is OpKind.MATMUL and op.input_meta
-                  and len(op.input_meta[0].shape) == 4 and len(op.output_meta.shape) == 4}
+    head_dims = _heads_and_head_dims(graph)[1]
     if not head_dims:
         return {}
     hd = min(head_dims)
@@ -100,11 +104,6 @@ def largest_head_divisor(graph: OpGraph) -> int:
     head-splitting degree divides."""
     counts = (*attention_head_counts(graph), *projection_head_slices(graph).values())
     return math.gcd(*counts) if counts else 0
-
-
-def tp_degree_fits_heads(graph: OpGraph, degree: int) -> bool:
-    heads = largest_head_divisor(graph)
-    return heads == 0 or heads % degree == 0
 
 
 def pipeline_blocker(graph: OpGraph) -> str | None:

@@ -137,11 +137,12 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
     recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) else [])
     max_zero = 3 if "zero" in space else 0
     spmd = spmd_blocker(graph) is None
+    heads = largest_head_divisor(graph)
     cuttable = spmd and pipeline_blocker(graph) is None
     pps = [p for p in _divisors(n) if p == 1 or ("pp" in space and cuttable and p <= graph.num_layers)]
     found, pruned = [], 0
     for pp in pps:
-        for tp in _tp_meshes(gpn, largest_head_divisor(graph), space if spmd else space - TP_FAMILIES):
+        for tp in _tp_meshes(gpn, heads, space if spmd else space - TP_FAMILIES):
             tdeg = math.prod(tp.values())
             if n % (pp * tdeg):
                 continue
