@@ -67,3 +67,33 @@ def test_planner_offers_no_one_f_one_b_with_fewer_micro_batches_than_stages():
                                     space=parse_space("dp,pp"), cap_bytes=1e12)
     pipelined = [c for c in found if c.pipe.degree > 1 and c.pipe.schedule == "1f1b"]
     assert all(c.num_microbatches >= c.pipe.degree for c in pipelined)
+
+
+def test_falcon_fused_qkv_is_a_linear_never_split_across_more_ranks_than_its_head_slices():
+    """Falcon's `FalconLinear` multiplies by `self.weight.T` in its own forward: still a Linear (a weight
+    transposed in a forward is a view), and its fused multi-query q/k/v (4 query heads + k + v = 6 head slices)
+    is never split 4 ways over a 2 x 2 grid, which cuts heads the model's view to heads + 2 needs whole."""
+    import torch
+    import transformers as T
+
+    from autoshard.capture import capture
+    from autoshard.capture.ir import OpKind
+    from autoshard.planner.contract import projection_head_slices
+    from autoshard.planner.layouts import OUT, MeshSpec
+    from autoshard.planner.strategies import strategies_for
+
+    torch.manual_seed(0)
+    model = T.FalconForCausalLM(T.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                               vocab_size=128))
+    graph = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    qkv = next(op for op in graph.ops if op.name.endswith("h.0.self_attention.query_key_value"))
+    assert qkv.kind is OpKind.LINEAR
+    slices = projection_head_slices(graph)[qkv.name]
+    assert slices == 6
+    mesh = MeshSpec.of(tp_r=2, tp_c=2)
+
+    def out_axes(st) -> int:  # grid axes splitting the output features (each of degree 2)
+        return sum(1 for _, p in st.params[0].compute.items if p == OUT)
+
+    assert {out_axes(st) for st in strategies_for(qkv, mesh, 2, head_slices=slices)} == {0, 1}
+    assert 2 in {out_axes(st) for st in strategies_for(qkv, mesh, 2)}  # offered when heads are not counted

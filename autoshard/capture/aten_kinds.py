@@ -18,6 +18,8 @@ VIEW = frozenset({
     "clone", "detach", "flatten", "unflatten", "narrow", "as_strided", "_assert_tensor_metadata",
     "lift_fresh_copy", "view_as", "movedim", "getitem", "_assert_scalar", "sym_constrain_range_for_size",
     "sym_size", "sym_numel", "sym_stride", "_assert_async", "dropout_identity",
+    # a weight transposed in the module's own forward (Falcon's `input @ self.weight.T`) stays a parameter
+    "numpy_T", "mT", "swapaxes", "swapdims", "adjoint",
 })
 DTYPE_CASTS = frozenset({"to", "_to_copy", "type_as", "_autocast_to_reduced_precision",
                          "_autocast_to_full_precision"})

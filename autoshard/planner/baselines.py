@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from autoshard.capture.ir import OpGraph
 from autoshard.errors import ConfigurationError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
+from autoshard.planner.contract import projection_head_slices
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.evaluate import evaluate, inflight_microbatches
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
@@ -196,8 +197,10 @@ def _tensor_family(graph, cluster, global_batch, cap, family: str) -> _Best:
 def _family_strategies(graph, mesh, b, names):
     tg, _ = template_for(graph, PipelineSpec())
     out = {}
+    slices = projection_head_slices(graph)
     for op in tg.ops:
-        cands = [s for s in strategies_for(op, mesh, b, zero_options=(0,)) if s.split == 1]
+        cands = [s for s in strategies_for(op, mesh, b, zero_options=(0,), head_slices=slices.get(op.name, 0))
+                 if s.split == 1]
         if op.kind.value in ("linear", "conv"):
             cands = [s for s in cands if s.name in names] or [s for s in cands if s.name == "replicate"]
         if not cands:

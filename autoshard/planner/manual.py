@@ -13,6 +13,7 @@ import functools
 
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.errors import ConfigurationError
+from autoshard.planner.contract import projection_head_slices
 from autoshard.planner.cache import graph_cache
 from autoshard.planner.layouts import FEAT, REPLICATE, SEQ, Layout, MeshSpec
 from autoshard.planner.plan import OpStrategy, PipelineSpec
@@ -62,8 +63,9 @@ def megatron_assignment(graph: OpGraph, mesh: MeshSpec, micro_batch: int, *, seq
     tp = mesh.degree("tp")
     tg, _ = template_for(graph, PipelineSpec())
     chosen: dict[str, OpStrategy] = {}
+    slices = projection_head_slices(graph)
     for op in tg.ops:
-        cands = strategies_for(op, mesh, micro_batch, zero_options=(zero,))
+        cands = strategies_for(op, mesh, micro_batch, zero_options=(zero,), head_slices=slices.get(op.name, 0))
         cands = [c for c in cands if c.split == 1]
         st = _choose(graph, op, cands, origin, mesh, micro_batch, sequence_parallel and tp > 1)
         tied = next((chosen[o] for o in chosen if op.kind is OpKind.EMBEDDING and _shares_param(graph, o, op)),

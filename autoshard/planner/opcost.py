@@ -207,10 +207,12 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
             comm += [("all_gather", nb * (2 if st.save_sharded_input else 1)),
                      ("reduce_scatter", at_compute * prec.grad_bytes)]
         partial_axes = tuple(a for a in mesh.tp_axes if a in tokens_sharded and pp.storage.get(a) == REPLICATE)
-        if partial_axes:  # replicated weight, sharded tokens: all-reduce its gradient over those axes
+        if partial_axes:  # replicated weight, sharded tokens: all-reduce its gradient over those axes, one
+            # collective per mesh axis (DTensor reduces a Partial placement dim by dim; measured on 3D's norms
+            # and embedding, tests/distributed/test_runtime_families.py llama-3d)
             gb = local * prec.grad_bytes
-            tp_b += ctx.collective_s("all_reduce", gb, partial_axes)
-            comm.append(("all_reduce", gb))
+            tp_b += sum(ctx.collective_s("all_reduce", gb, (a,)) for a in partial_axes)
+            comm += [("all_reduce", gb)] * len(partial_axes)
         unit = max(1.0, (unit_numel or op.param_numel) / max(1, op.param_numel))
         f, b, i, tr, c, ic = _dp_param_comm(local, st, ctx, unit)
         dp_f, dp_b, dp_i, transient = dp_f + f, dp_b + b, dp_i + i, max(transient, tr)

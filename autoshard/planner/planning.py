@@ -6,6 +6,7 @@ import math
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext
+from autoshard.planner.contract import projection_head_slices
 from autoshard.planner.evaluate import op_sites, sink_layout
 from autoshard.planner.opcost import edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.plan import OpPlan, OpStrategy, Plan
@@ -42,9 +43,10 @@ def runner_ups(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, 
     firsts = op_sites(graph)
     out = {}
     dp = ctx.mesh.degree("dp")
+    slices = projection_head_slices(graph)
     for op in tg.ops:
         chosen = assign[op.name]
-        cands = [s for s in strategies_for(op, ctx.mesh, ctx.micro_batch)
+        cands = [s for s in strategies_for(op, ctx.mesh, ctx.micro_batch, head_slices=slices.get(op.name, 0))
                  if allowed(s, bool(op.params), space, dp) and s != chosen]
         if not cands:
             continue

@@ -22,7 +22,8 @@ from autoshard.errors import InfeasiblePlanError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.candidate_bound import edge_times, knapsack_bound_s
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import largest_head_divisor, pipeline_blocker, schedule_blocker, spmd_blocker
+from autoshard.planner.contract import (largest_head_divisor, pipeline_blocker, projection_head_slices,
+                                        schedule_blocker, spmd_blocker)
 from autoshard.planner.evaluate import (
     Evaluation,
     evaluate,
@@ -199,10 +200,12 @@ def _strategies(graph: OpGraph, cand: Candidate, space, cache) -> dict[str, list
     tg, _ = template_for(graph, PipelineSpec())
     out = {}
     dp = cand.mesh.degree("dp")
+    slices = projection_head_slices(graph)
     for op in tg.ops:
         key = (op.name, cand.mesh, cand.micro_batch)
         if key not in cache:
-            cache[key] = [s for s in strategies_for(op, cand.mesh, cand.micro_batch)
+            cache[key] = [s for s in strategies_for(op, cand.mesh, cand.micro_batch,
+                                                    head_slices=slices.get(op.name, 0))
                           if allowed(s, bool(op.params), space, dp)]
         if not cache[key]:
             return None

@@ -20,6 +20,8 @@ Every family is a choice of *role* per mesh axis; costs follow from the roles (s
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 from autoshard.capture.ir import Op, OpKind, TensorMeta
@@ -190,9 +192,16 @@ def _linear_params(op: Op, opt: TPOption, mesh: MeshSpec) -> tuple[ParamPlacemen
     return tuple(out)
 
 
-def _linear_strategies(op: Op, mesh: MeshSpec, micro_batch: int, zero_options) -> list[OpStrategy]:
+def _out_degree(lay: Layout, mesh: MeshSpec) -> int:
+    return math.prod(mesh.degree(a) for a, p in lay.items if p == OUT)
+
+
+def _linear_strategies(op: Op, mesh: MeshSpec, micro_batch: int, zero_options,
+                       head_slices: int = 0) -> list[OpStrategy]:
     found = []
     for opt in linear_tp_options(mesh):
+        if head_slices and head_slices % _out_degree(opt.w_compute, mesh):
+            continue  # a column split must cut whole heads (contract.py), on all axes that split them together
         ins = with_dp(opt.input, mesh)
         outl = with_dp(opt.output, mesh)
         if not all(fits(m, ins, mesh, micro_batch) for m in op.input_meta):
@@ -312,15 +321,18 @@ def _tp_replicated(st: OpStrategy) -> bool:
     return all(axis == "dp" for lay in layouts for axis, _ in lay.items)
 
 
-def strategies_for(op: Op, mesh: MeshSpec, micro_batch: int, *, zero_options=ZERO_OPTIONS) -> list[OpStrategy]:
-    """Every candidate strategy of `op` on `mesh`; empty for ops that are not planned (inputs, masks)."""
+def strategies_for(op: Op, mesh: MeshSpec, micro_batch: int, *, zero_options=ZERO_OPTIONS,
+                   head_slices: int = 0) -> list[OpStrategy]:
+    """Every candidate strategy of `op` on `mesh`; empty for ops that are not planned (inputs, masks).
+    `head_slices`: the number of head-sized slices of a projection's output (contract.projection_head_slices;
+    0 for none): the product of the degrees splitting its output features must divide it."""
     if op.kind not in PLANNED_KINDS:
         return []
     if op.kind is OpKind.CONV and op.gemm is not None:
         # no channel-parallel convolution in the runtime: replicated on the tensor-parallel axes (contract.py)
         return [st for st in _linear_strategies(op, mesh, micro_batch, zero_options) if _tp_replicated(st)]
     if op.kind is OpKind.LINEAR and op.gemm is not None:
-        return _linear_strategies(op, mesh, micro_batch, zero_options)
+        return _linear_strategies(op, mesh, micro_batch, zero_options, head_slices)
     if op.kind is OpKind.EMBEDDING and op.params:
         return _embedding_strategies(op, mesh, micro_batch, zero_options)
     return _follow_strategies(op, mesh, micro_batch, zero_options)

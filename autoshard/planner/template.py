@@ -57,7 +57,7 @@ class TemplateEdge:
     meta: TensorMeta
     per_stage: list[int]  # real edges per pipeline stage (by consumer)
     in_block: bool  # both ends in the same repeated block: recomputed with the block under full recompute
-    fanout: int = 1  # planned consumer ops of the producer (edge_cost's `share` is 1 / fanout)
+    fanout: int = 1  # planned consumer inputs reading the producer (edge_cost's `share` is 1 / fanout)
 
 
 @dataclass
@@ -97,17 +97,20 @@ def build_template(graph: OpGraph, stage_of_op: dict[str, int], num_stages: int)
     ops = [graph.op(n) for n in per_stage]
     edges: dict[tuple[str, str, int], TemplateEdge] = {}
     all_edges = list(planned_edges(graph))
-    consumers: dict[str, set[str]] = {}
-    for src, dst, _, _ in all_edges:
-        consumers.setdefault(src, set()).add(dst)
-    for src, dst, i, meta in all_edges:
+    # the runtime redistributes a producer's whole output once, to the layout its consumers want, before any
+    # of them reads it (runtime/tensor_parallel.py); a consumer reading views of it (rotary embedding's halves
+    # of q) reads from that one redistribution: every edge prices the producer's output, shared by all inputs
+    consumers: dict[str, int] = {}
+    for src, _, _, _ in all_edges:
+        consumers[src] = consumers.get(src, 0) + 1
+    for src, dst, i, _ in all_edges:
         key = (to_t[src], to_t[dst], i)
         e = edges.get(key)
         if e is None:
             same_block = graph.op(src).layer is not None and graph.op(src).layer == graph.op(dst).layer
-            e = edges[key] = TemplateEdge(src=key[0], dst=key[1], index=i, meta=meta,
+            e = edges[key] = TemplateEdge(src=key[0], dst=key[1], index=i, meta=graph.op(src).output_meta,
                                           per_stage=[0] * num_stages, in_block=same_block,
-                                          fanout=len(consumers[src]))
+                                          fanout=consumers[src])
         e.per_stage[stage_of_op[dst]] += 1
     outputs = sorted({to_t[n] for n in graph.outputs})
     firsts = {group.op_names[0][0] for group in graph.blocks}

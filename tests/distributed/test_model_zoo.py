@@ -141,9 +141,9 @@ def test_pipelined_decoder_equals_one_process(arch):
     assert _equal(r), r
 
 
-# known failures, each with what breaks (strict: the test says so when one starts passing)
-KNOWN = {"falcon-space=tp2d": "2D splits Falcon's fused multi-query q/k/v (4 + 2 head slices) across rows "
-                              "and columns; the model's own view to heads + 2 fails on the shard"}
+# known failures, each with what breaks (strict: the test says so when one starts passing). Falcon under 2D
+# was one until the fused multi-query q/k/v (4 + 2 head slices) stopped being split 4 ways over the grid.
+KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.skipif(not ALL, reason="every space's plan is applied under AUTOSHARD_ZOO=all")

@@ -47,6 +47,7 @@ for _m, _mixed in (("gpt2", _MIXED_GPT2), ("llama", _MIXED_LLAMA)):
         f"{_m}-dp-2d": (8, _m, "2d", {"dp": 2, "tp_r": 2, "tp_c": 2}, {}),
     }
 CASES["mlp-3d"] = (8, "mlp", "3d", {"tp_x": 2, "tp_y": 2, "tp_z": 2}, {})
+CASES["llama-3d"] = (8, "llama", "3d", {"tp_x": 2, "tp_y": 2, "tp_z": 2}, {})  # 3D on a transformer
 # Qwen2 is not in the zoo (RMSNorm, rotary, biased q/k/v, grouped-query attention with 2 kv heads): it goes
 # through the public entry point, which loads the plan from a file and captures the graph on every rank.
 CASES["qwen2-dp-1d-public-api"] = (4, "qwen2", "megatron", {"dp": 2, "tp": 2}, {"zero": 2})
@@ -112,10 +113,11 @@ def test_parameter_bytes_per_rank_equal_the_planners_prediction(case_id, tmp_pat
     assert [r["param_bytes"] for r in results] == [results[0]["predicted_param_bytes"]] * len(results)
 
 
-# the cost model prices every family's collectives exactly but two, measured: 3D's within 1.05%, and GPT-2
-# dp x 1D's all-gather 3,072 bytes (0.67%) above the prediction on every rank (also before issue 15's changes;
-# the unpriced gather is not yet found)
-COMM_TOLERANCE = {"mlp-3d": 0.011, "gpt2-dp-1d": 0.007}
+# the cost model prices every family's collectives exactly (3D on Llama too) but two, measured: the 3D MLP's
+# all-gather and reduce-scatter 32 bytes (0.93%) short of what runs (one (B, H) / 8 tensor, not yet found),
+# and GPT-2 dp x 1D's all-gather 3,072 bytes (0.67%) above the prediction on every rank (also before issue
+# 15's changes; the unpriced gather is not yet found)
+COMM_TOLERANCE = {"mlp-3d": 0.01, "gpt2-dp-1d": 0.007}
 
 
 @pytest.mark.timeout(600)
@@ -200,7 +202,9 @@ def test_3d_step_gathers_each_weight_once_and_reduce_scatters_outputs_and_gradie
 # redistribution only DTensor makes); `view(B, T, heads, -1)` runs on a shard without error but halves the
 # head dim, which only the check of outputs on the example inputs sees. Those run every op on DTensors (SPMD
 # mode), and are equal all the same.
-_SPMD_MODE = {"llama-1d-sp", "mlp-3d", "gpt-heads-minus-one-1d"}
+# llama-3d: the local-shards check runs the example inputs (batch 2), which 3D's x * y = 4 batch shards cannot
+# split (the runtime says so in `why_not_local`); it runs on DTensors
+_SPMD_MODE = {"llama-1d-sp", "mlp-3d", "gpt-heads-minus-one-1d", "llama-3d"}
 _TENSOR_PARALLEL = [c for c, (_, _, family, _, _) in CASES.items() if family != "replicate"]
 
 
