@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from autoshard.capture.ir import OpGraph
 from autoshard.errors import ConfigurationError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
-from autoshard.planner.contract import projection_head_slices
 from autoshard.planner.context import PlanContext, default_precision
+from autoshard.planner.contract import projection_head_slices
 from autoshard.planner.evaluate import evaluate, inflight_microbatches
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
 from autoshard.planner.layouts import MeshSpec

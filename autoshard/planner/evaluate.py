@@ -39,7 +39,7 @@ from autoshard.cost_models.memory import (
 from autoshard.cost_models.overlap import exposed_comm_s
 from autoshard.planner.cache import graph_cache
 from autoshard.planner.context import PlanContext
-from autoshard.planner.layouts import BATCH, Layout
+from autoshard.planner.layouts import BATCH, SEQ, Layout
 from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost, score_shaped
 from autoshard.planner.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.planner.strategies import same_strategy
@@ -217,7 +217,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
     units = stage_units(graph, pipe, stage)
     for k, st in enumerate(stages):
         st.units = units[k]
-    _boundaries(graph, assign, ctx, pipe, stage, stages)
+    _boundaries(graph, assign, ctx, pipe, stages)
     return stages
 
 
@@ -263,31 +263,44 @@ def stage_units(graph: OpGraph, pipe: PipelineSpec, stage: dict[str, int]) -> li
 
 
 def _boundary_edges(graph: OpGraph, pipe: PipelineSpec):
+    """(producer, its chunk, consumer's chunk, meta) of every edge between chunks."""
     cache = graph_cache(graph)
     key = ("cuts", pipe.degree, pipe.virtual_stages, pipe.stage_layers)
     if key not in cache:
         chunk = stage_of(graph, pipe)
-        cache[key] = [(src, meta) for src, dst, _, meta in planned_edges(graph) if chunk[src] != chunk[dst]]
+        cache[key] = [(src, chunk[src], chunk[dst], meta) for src, dst, _, meta in planned_edges(graph)
+                      if chunk[src] != chunk[dst]]
     return cache[key]
 
 
-def _shards(st: OpStrategy, ctx: PlanContext) -> int:
-    if not st.params:
-        return 1
-    lay = st.params[0].storage
-    return math.prod(ctx.mesh.degree(a) for a, p in lay.items if p.startswith("S("))
+def cut_bytes(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pipe: PipelineSpec) -> list[float]:
+    """Bytes one rank sends across each cut between consecutive chunks (cut c: chunk c -> c + 1) per
+    micro-batch: the largest activation chunk c hands to chunk c + 1, the hidden states (the runtime sends
+    only those; what later chunks need from before the blocks, rotary tables, masks, they compute again in
+    the model's own forward), this data-parallel replica's micro-batch, divided over the tensor-parallel axes
+    its producer shards the sequence on (sequence parallelism: Megatron-LM's scatter/gather, Narayanan et al.
+    2021 §4.1) and whole on the others, as runtime/pipeline.py `_SPMDBoundary` sends it (measured in
+    tests/distributed/test_pipeline.py). Its gradient comes back across the same cut in backward."""
+    chunks = pipe.degree * pipe.virtual_stages
+    out = [0.0] * max(0, chunks - 1)
+    if chunks == 1:
+        return out
+    to_t = template_for(graph, pipe)[0].to_template
+    for src, c_src, c_dst, meta in _boundary_edges(graph, pipe):
+        if c_dst != c_src + 1:
+            continue
+        lay = (assign.get(src) or assign[to_t[src]]).output
+        shards = math.prod(ctx.mesh.degree(a) for a, p in lay.items if p == SEQ and a != "dp")
+        out[c_src] = max(out[c_src], tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / shards)
+    return out
 
 
-def _boundaries(graph, assign, ctx, pipe, stage, stages) -> None:
-    """Bytes sent between consecutive chunks per micro-batch (the activation crossing the cut)."""
+def _boundaries(graph, assign, ctx, pipe, stages) -> None:
+    """Bytes a stage sends per micro-batch and chunk (the time model prices one send each way per chunk)."""
     if pipe.degree == 1:
         return
-    to_t = template_for(graph, pipe)[0].to_template
-    for src, meta in _boundary_edges(graph, pipe):
-        lay = (assign.get(src) or assign[to_t[src]]).output
-        shards = math.prod(ctx.mesh.degree(a) for a, p in lay.items if p.startswith("S(") and a != "dp")
-        nb = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / max(1, shards)
-        st = stages[stage[src]]
+    for c, nb in enumerate(cut_bytes(graph, assign, ctx, pipe)):
+        st = stages[c % pipe.degree]
         st.boundary_bytes = max(st.boundary_bytes, nb)
 
 

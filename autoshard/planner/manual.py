@@ -13,8 +13,8 @@ import functools
 
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.errors import ConfigurationError
-from autoshard.planner.contract import projection_head_slices
 from autoshard.planner.cache import graph_cache
+from autoshard.planner.contract import projection_head_slices
 from autoshard.planner.layouts import FEAT, REPLICATE, SEQ, Layout, MeshSpec
 from autoshard.planner.plan import OpStrategy, PipelineSpec
 from autoshard.planner.strategies import fits, rebind, strategies_for, with_dp

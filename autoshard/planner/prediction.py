@@ -11,12 +11,13 @@ from dataclasses import replace
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.evaluate import Evaluation, evaluate
+from autoshard.planner.evaluate import Evaluation, cut_bytes, evaluate
 from autoshard.planner.plan import Plan
 from autoshard.planner.strategies import same_strategy
 from autoshard.planner.template import template_for
 
-__all__ = ["context_for", "priced_graph", "evaluate_plan", "predicted_step_comm", "predicted_param_bytes"]
+__all__ = ["context_for", "priced_graph", "evaluate_plan", "predicted_step_comm", "predicted_p2p_bytes",
+           "predicted_param_bytes"]
 
 
 def context_for(plan: Plan, cluster, graph: OpGraph) -> PlanContext:
@@ -69,7 +70,24 @@ def predicted_step_comm(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) 
         if stage_of[name] == stage:
             for kind, nbytes in c.comm:
                 out[kind] += m * nbytes
+    sent = predicted_p2p_bytes(plan, graph, cluster, stage=stage)
+    if sent:
+        out["p2p"] += sent
     return dict(out)
+
+
+def predicted_p2p_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
+    """Bytes one rank of pipeline stage `stage` sends in one iteration: per micro-batch and chunk it holds
+    (chunk c on stage c mod degree), the hidden states forward across the cut after it and their gradient
+    backward across the cut before it (`evaluate.cut_bytes`)."""
+    pipe = plan.pipeline
+    if pipe.degree == 1:
+        return 0.0
+    graph = priced_graph(plan, graph)
+    cuts = cut_bytes(graph, {p.op: p.strategy for p in plan.ops}, context_for(plan, cluster, graph), pipe)
+    chunks = range(stage, pipe.degree * pipe.virtual_stages, pipe.degree)
+    per_microbatch = sum((cuts[c] if c < len(cuts) else 0.0) + (cuts[c - 1] if c > 0 else 0.0) for c in chunks)
+    return plan.num_microbatches * per_microbatch
 
 
 def predicted_param_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:

@@ -22,8 +22,13 @@ from autoshard.errors import InfeasiblePlanError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.candidate_bound import edge_times, knapsack_bound_s
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import (largest_head_divisor, pipeline_blocker, projection_head_slices,
-                                        schedule_blocker, spmd_blocker)
+from autoshard.planner.contract import (
+    largest_head_divisor,
+    pipeline_blocker,
+    projection_head_slices,
+    schedule_blocker,
+    spmd_blocker,
+)
 from autoshard.planner.evaluate import (
     Evaluation,
     evaluate,

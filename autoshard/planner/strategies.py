@@ -21,7 +21,6 @@ Every family is a choice of *role* per mesh axis; costs follow from the roles (s
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, replace
 
 from autoshard.capture.ir import Op, OpKind, TensorMeta

@@ -10,7 +10,7 @@ Sizes are the bytes of the *full* buffer a collective works on, whatever the gro
 
     all_gather      the gathered output        reduce_scatter   the input before scattering
     all_reduce      the tensor                 all_to_all       the input
-    broadcast       the tensor
+    broadcast       the tensor                 p2p              the tensor sent (receives are not counted)
 
 so a cost model turns them into traffic with its own factor ((n-1)/n for a ring, etc.; `group_size` is kept
 per call for that). gloo has no all-to-all: DTensor falls back to an all-gather, recorded as what it is.
@@ -55,12 +55,13 @@ _C10D = {
     _c10d.alltoall_base_.default: ("all_to_all", "in"),
     _c10d.alltoall_.default: ("all_to_all", "in"),
     _c10d.broadcast_.default: ("broadcast", "out0"),
+    _c10d.send.default: ("p2p", "out0"),  # pipeline stages (torch.distributed.pipelining's isend): sends only
 }
 
 
 @dataclass(frozen=True)
 class CollectiveCall:
-    kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, broadcast
+    kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, broadcast, p2p
     bytes: int  # of the full buffer (see the module docstring)
     group_size: int
     op: str  # the ATen / c10d op, for debugging
@@ -83,6 +84,8 @@ def _c10d_call(func, args) -> CollectiveCall:
     kind, how = _C10D[func]
     boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
     size = dist.ProcessGroup.unbox(boxed).size()  # the dispatcher hands over the C++ group boxed
+    if kind == "p2p":
+        size = 2  # a pair of ranks, whatever group it is sent in
     nbytes = _nbytes(args[0]) if how == "out0" else _nbytes(args[1])  # outputs first, then inputs
     return CollectiveCall(kind=kind, bytes=nbytes, group_size=size, op=str(func))
 

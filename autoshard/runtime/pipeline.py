@@ -172,25 +172,50 @@ class _ScaleGrad(torch.autograd.Function):
 
 @dataclass
 class _SPMDBoundary:
-    """A chunk's forward on a stage mesh: the local slice in (dp: S(batch), tp: R), DTensors inside, the local
-    slice out with full feature dims. On the last stage the output's gradient is scaled by 1/dp, because the
-    loss of one dp rank's slice is its term of the global mean (see parallel_module._to_local)."""
+    """A chunk's forward on a stage mesh: the local slice in, DTensors inside, the local slice out. Between
+    chunks the hidden states are sent as the plan lays them out at the cut: a data-parallel rank's batch
+    slice, and under sequence parallelism each tensor-parallel rank's slice of the sequence (Megatron-LM's
+    scatter/gather of pipeline sends, Narayanan et al. 2021 §4.1: 1/t of the bytes); replicated on the other
+    axes. The first chunk takes the token ids replicated on the tensor-parallel axes; the last hands the
+    loss its output at full width, with the gradient scaled by 1/dp, because the loss of one dp rank's slice
+    is its term of the global mean (see parallel_module._to_local)."""
 
     mesh: DeviceMesh
     grad_scale: float = 1.0
+    seq_in: tuple[str, ...] = ()  # axes the chunk's input is sequence-sharded on (not the first chunk)
+    seq_out: tuple[str, ...] = ()  # axes its output is sent sequence-sharded on (not the last chunk)
+
+    def _placements(self, x: torch.Tensor, seq_axes: tuple[str, ...]) -> list:
+        return [Shard(0) if n == "dp" and x.dim() > 0 else Shard(1) if n in seq_axes else Replicate()
+                for n in self.mesh.mesh_dim_names]
 
     def __call__(self, chunk: PipelineChunk, x: torch.Tensor) -> torch.Tensor:
-        names = self.mesh.mesh_dim_names
         with SPMDMode():
-            placements = [Shard(0) if n == "dp" and x.dim() > 0 else Replicate() for n in names]
-            y = chunk.run(DTensor.from_local(x, self.mesh, placements, run_check=False))
+            y = chunk.run(DTensor.from_local(x, self.mesh, self._placements(x, self.seq_in), run_check=False))
             if not isinstance(y, DTensor):
                 return y
-            target = [p if n == "dp" and p == Shard(0) else Replicate() for n, p in zip(names, y.placements,
-                                                                                       strict=True)]
+            target = self._placements(y, self.seq_out)
             local = y.redistribute(self.mesh, target).to_local() if tuple(target) != y.placements else y.to_local()
         # through _ScaleGrad even with a factor of 1: an alias, not the view to_local() makes (FSDP2 warns)
         return _ScaleGrad.apply(local, self.grad_scale) if local.requires_grad else local
+
+
+def cut_sequence_axes(plan: Plan, stage_layers: tuple[tuple[int, int], ...]) -> list[tuple[str, ...]]:
+    """Per cut c (chunk c -> c + 1): the tensor-parallel axes the hidden states are sequence-sharded on there,
+    from the plan's layout of the last op of chunk c's last block (the cost model's `evaluate.cut_bytes`
+    prices the same)."""
+    from autoshard.planner.layouts import SEQ
+
+    last = {}
+    for op in plan.ops:
+        if op.layer is not None:
+            last[op.layer] = op
+    out = []
+    for lo, hi in stage_layers[:-1]:
+        op = last.get(hi - 1) if hi > lo else None
+        lay = op.strategy.output if op is not None else None
+        out.append(tuple(a for a, p in lay.items if p == SEQ and a != "dp") if lay is not None else ())
+    return out
 
 
 class PipelinedModule(ParallelModule):
@@ -235,23 +260,34 @@ def _check_schedule(plan: Plan) -> str:
     return name
 
 
-def _chunk_io(chunks: list[PipelineChunk], example: torch.Tensor, micro_batch: int) -> list[tuple]:
+def _chunk_io(chunks: list[PipelineChunk], example: torch.Tensor, micro_batch: int,
+              cut_shards: list[int]) -> list[tuple]:
     """(input, output) meta tensors of every chunk for one micro-batch of this rank's dp slice, from a
-    fake-tensor run of the unparallelized chunks (stage outputs are local and full-width, as the boundary
-    hands them over)."""
+    fake-tensor run of the unparallelized chunks, as the boundary hands them over: full width, but the
+    sequence (dim 1) divided by `cut_shards[c]` across cut c."""
     io = []
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         device = next(chunks[0].parameters(), example).device
         x = torch.empty((micro_batch, *example.shape[1:]), dtype=example.dtype, device=device)
         for chunk in chunks:
             y = chunk.run(x)
-            io.append((_meta(x, grad=not chunk.is_first), _meta(y, grad=True)))
+            c = chunk.index
+            x_in = _meta(x, grad=not chunk.is_first, seq_shards=cut_shards[c - 1] if c > 0 else 1)
+            y_out = _meta(y, grad=True, seq_shards=cut_shards[c] if c < len(cut_shards) else 1)
+            io.append((x_in, y_out))
             x = y
     return io
 
 
-def _meta(x: torch.Tensor, *, grad: bool) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device="meta", requires_grad=grad and x.dtype.is_floating_point)
+def _meta(x: torch.Tensor, *, grad: bool, seq_shards: int = 1) -> torch.Tensor:
+    shape = list(x.shape)
+    if seq_shards > 1:
+        if len(shape) < 2 or shape[1] % seq_shards:
+            raise ConfigurationError(f"the plan sends hidden states of shape {tuple(shape)} between pipeline "
+                                     f"stages split {seq_shards} ways along the sequence, which does not divide; "
+                                     "re-plan with a sequence length divisible by the tensor-parallel degree")
+        shape[1] //= seq_shards
+    return torch.empty(shape, dtype=x.dtype, device="meta", requires_grad=grad and x.dtype.is_floating_point)
 
 
 def _chunk_specs(specs: dict[str, ModuleSpec], chunk: PipelineChunk) -> dict[str, ModuleSpec]:
@@ -272,13 +308,16 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
     example = _single_input(example_inputs)
     name = _check_schedule(plan)  # every user error before the first collective
     family = family_of(model, example)
-    chunks = build_chunks(model, _stage_layers(plan, len(model.get_submodule(family.blocks))), example)
+    stage_layers = _stage_layers(plan, len(model.get_submodule(family.blocks)))
+    chunks = build_chunks(model, stage_layers, example)
+    seq_axes = cut_sequence_axes(plan, stage_layers)
     specs = module_specs(plan, graph, model)  # on the whole model: tied parameters still tied
     register_dtensor_rules()
     full = build_pipeline_mesh(plan, device_type=device_type)  # 1
     degree, pp_rank = plan.pipeline.degree, full.get_local_rank("pp")
     local = [c for c in chunks if c.index % degree == pp_rank]  # 2
-    io = _chunk_io(chunks, example, plan.micro_batch)
+    io = _chunk_io(chunks, example, plan.micro_batch, [math.prod(plan.mesh.degree(a) for a in axes)
+                                                       for axes in seq_axes])
     tied = untie_across_chunks(chunks, {c.index for c in local})
     mesh = _stage_mesh(full, plan, device_type)
     _check_tied_layouts(tied, specs, chunks, mesh)
@@ -287,7 +326,10 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
     for chunk in local:  # 3
         if mesh is not None:
             apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh, plan)
-            chunk.boundary = _SPMDBoundary(mesh, grad_scale=1.0 / dp if chunk.is_last else 1.0)
+            c = chunk.index
+            chunk.boundary = _SPMDBoundary(mesh, grad_scale=1.0 / dp if chunk.is_last else 1.0,
+                                           seq_in=seq_axes[c - 1] if c > 0 else (),
+                                           seq_out=seq_axes[c] if c < len(seq_axes) else ())
         else:  # a one-rank stage: plain tensors, only recomputation to apply
             apply_recompute(chunk, plan, scores=materializes_scores(plan))
         if name == "looped-bfs":

@@ -157,10 +157,42 @@ def _grads_case(case: dict) -> dict:
     names = [n for n in ref_grads if n in set(local_names)]
     got = {n: g.detach() for n, g in full_named(pm, names, grads=True).items()}
     grad_diff, worst = _max_diff(got, ref_grads)
-    return {"case": case["id"], "loss_diff": max(abs(t.item() - ref_loss.item()) for t in losses),
-            "loss_is_0dim": all(t.dim() == 0 for t in losses), "grad_diff": grad_diff, "grad_worst": worst,
-            "names": names, "unknown_names": sorted(set(local_names) - set(ref_grads)),
-            "all_names": sorted(ref_grads), "errors": _errors(pm, lx, ly) if case.get("errors") else []}
+    out = {"case": case["id"], "loss_diff": max(abs(t.item() - ref_loss.item()) for t in losses),
+           "loss_is_0dim": all(t.dim() == 0 for t in losses), "grad_diff": grad_diff, "grad_worst": worst,
+           "names": names, "unknown_names": sorted(set(local_names) - set(ref_grads)),
+           "all_names": sorted(ref_grads), "errors": _errors(pm, lx, ly) if case.get("errors") else []}
+    if case.get("adamw"):
+        out |= _adamw_steps(ref, pm, step, (x, y), (lx, ly), steps, names)
+    return out
+
+
+def _adamw_steps(ref, pm, step, batch_, local, steps: int, names: list[str]) -> dict:
+    """Three AdamW steps on both (the gradients of the steps above first), every parameter compared after;
+    the bytes this rank sends to other stages in the third step's forward and backward, and its stage."""
+    from autoshard.runtime.comm_check import measure_step_comm
+
+    (x, y), (lx, ly) = batch_, local
+    for p in ref.parameters():  # the parallel model accumulated `steps` steps' gradients
+        p.grad = steps * p.grad
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    comm = {}
+    for i in range(3):
+        if i:
+            loss_fn(ref(x), y).backward()
+            if i == 2:
+                comm = measure_step_comm(lambda: step((lx,), ly))
+            else:
+                step((lx,), ly)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    ref_params = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}
+    got = {n: p.detach() for n, p in full_named(pm, names, grads=False).items()}
+    param_diff, param_worst = _max_diff(got, ref_params)
+    pp_rank = pm.mesh.get_local_rank("pp") if "pp" in (pm.mesh.mesh_dim_names or ()) else 0
+    return {"param_diff": param_diff, "param_worst": param_worst, "p2p_bytes": comm.get("p2p", 0), "stage": pp_rank}
 
 
 def _gathers_case(case: dict) -> dict:
