@@ -112,9 +112,11 @@ class ParallelModule:
 
     def forward(self, *args, **kwargs):
         state = self._autoshard
-        if not state.spmd:  # data parallel only: FSDP2 on ordinary tensors, inputs and outputs as they are
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
-        with training_outputs(self):  # no key/value cache: it would hold DTensors between steps
+        # no key/value cache: it would hold DTensors between steps, and a recomputed block (activation
+        # checkpointing) would append its keys and values to it a second time
+        with training_outputs(self):
+            if not state.spmd:  # data parallel only: FSDP2 on ordinary tensors, inputs and outputs as they are
+                return super().forward(*args, **kwargs)  # type: ignore[misc]
             return self._spmd_forward(state, args, kwargs)
 
     def _spmd_forward(self, state, args, kwargs):

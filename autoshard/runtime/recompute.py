@@ -63,9 +63,18 @@ def _score_policy(seq: int):
     """Korthikanti's selective recompute: recompute what produces a (..., seq, seq) score tensor."""
 
     def policy(ctx, func, *args, **kwargs):
-        return CheckpointPolicy.PREFER_RECOMPUTE if ctx_out_is_scores(func, args, seq) else CheckpointPolicy.MUST_SAVE
+        if _is_view(func) or ctx_out_is_scores(func, args, seq):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def _is_view(func) -> bool:
+    """Views cost nothing to recompute and are not saved: on DTensors a saved view was handed back in
+    recomputation for another view of a different shape (Bloom's fused q/k/v, GPT-J's rotary slice under
+    dp x tp with selective recompute: "not enough values to unpack")."""
+    return getattr(func, "is_view", False) or func in (_aten._unsafe_view.default, _aten.alias.default)
 
 
 def ctx_out_is_scores(func, args, seq: int) -> bool:
@@ -84,13 +93,34 @@ def ctx_out_is_scores(func, args, seq: int) -> bool:
 
 
 def _checkpointed(forward, context_fn):
+    """`forward` under a checkpoint whose recomputation (in backward, outside the model's forward) runs in
+    the same function mode as the forward did: on a tensor-parallel mesh the model's code runs under
+    `SPMDMode`, which lifts plain tensors (rotary tables, masks) to DTensors; without it the recomputed block
+    mixes the two and fails."""
+    from autoshard.runtime.dtensor_ext import SPMDMode
+
+    def in_spmd(*args, **kwargs):
+        if _spmd_active():
+            return forward(*args, **kwargs)
+        with SPMDMode():
+            return forward(*args, **kwargs)
+
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        fn = in_spmd if _spmd_active() else forward
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
+
+
+def _spmd_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    from autoshard.runtime.dtensor_ext import SPMDMode
+
+    return any(isinstance(m, SPMDMode) for m in _get_current_function_mode_stack())
 
 
 def apply_recompute(model: nn.Module, plan: Plan, *, scores: bool) -> int:
