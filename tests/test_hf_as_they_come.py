@@ -97,3 +97,24 @@ def test_falcon_fused_qkv_is_a_linear_never_split_across_more_ranks_than_its_hea
 
     assert {out_axes(st) for st in strategies_for(qkv, mesh, 2, head_slices=slices)} == {0, 1}
     assert 2 in {out_axes(st) for st in strategies_for(qkv, mesh, 2)}  # offered when heads are not counted
+
+
+def test_sequence_parallel_on_a_convolutional_net_is_one_clear_error():
+    """The sequence dim of a 4-D image tensor is its height, which a batch norm reduces over: `estimate`
+    refuses sequence parallelism for a model with convolutions instead of pricing a plan that trains wrong."""
+    import torch
+    from torch import nn
+
+    from autoshard.capture import capture
+    from autoshard.errors import ConfigurationError
+    from autoshard.hardware_profiles import ClusterSpec
+    from autoshard.planner.estimate import HandConfig, estimate
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(8, 10))
+    graph = capture(net, (torch.randn(2, 3, 16, 16),))
+    cluster = ClusterSpec.parse("1x4xcpu")
+    with pytest.raises(ConfigurationError, match="drop --sequence-parallel"):
+        estimate(graph, cluster, HandConfig(tp=2, dp=2, global_batch=8, sequence_parallel=True))
+    estimate(graph, cluster, HandConfig(tp=2, dp=2, global_batch=8))  # without it the plan is priced

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.capture.ir import OpGraph
+from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.cost_models.memory import ALLOCATORS
 from autoshard.errors import ConfigurationError
 from autoshard.planner.bounds import block_costs
@@ -84,6 +84,13 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
         raise ConfigurationError(f"pp={cfg.pp}: this model cannot be cut into pipeline stages: {blocker}; use --pp 1")
     if cfg.virtual_stages > 1 and cfg.pp == 1:
         raise ConfigurationError("--virtual-stages needs --pp > 1")
+    convs = [op.name for op in graph.ops if op.kind is OpKind.CONV]
+    if cfg.sequence_parallel and cfg.tp > 1 and convs:
+        # the sequence dim of a 4-D tensor is an image's height, which its batch norm reduces over (a ResNet
+        # under dp2 x tp2 + sequence parallel trained with wrong norm gradients)
+        raise ConfigurationError(f"--sequence-parallel splits token sequences; this model has convolutions "
+                                 f"({convs[0]}{' and more' if len(convs) > 1 else ''}) on image tensors: drop "
+                                 "--sequence-parallel")
 
 
 def _stage_layers(graph: OpGraph, pp: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:

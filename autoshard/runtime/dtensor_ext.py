@@ -150,7 +150,23 @@ class SPMDMode(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             _check_attention_dropout(args, kwargs, mesh)
             args, kwargs = _with_aligned_mask(args, kwargs)
+        elif func in _RESHAPES and isinstance(args[0], DTensor):
+            args = (_local_laid_out_as_global(args[0]), *args[1:])
         return func(*args, **kwargs)
+
+
+_RESHAPES = (torch.Tensor.reshape, torch.reshape, torch.Tensor.view)
+
+
+def _local_laid_out_as_global(x: DTensor) -> DTensor:
+    """`x` with a contiguous local tensor where its global strides say contiguous. `reshape` decides between a
+    view and a copy on the global strides; a local shard laid out otherwise (OLMo2's attention output under
+    sequence parallelism, transposed after SDPA) then fails in the local `view`. Differentiable."""
+    local = x._local_tensor
+    if local.is_contiguous() or not x.is_contiguous():
+        return x
+    return DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape, stride=x.stride())
 
 
 def _equal_parts(name: str, args: tuple, kwargs: dict, size: int) -> int | None:

@@ -19,7 +19,7 @@ it would compute on the whole tensor, e.g. a reshape with `-1` where the head co
 
 Nor with dropout: on local shards every rank would draw the same masks for different heads or samples (the
 check runs in eval mode, where dropout is off); DTensor's RNG tracker draws them per shard. An example batch
-the plan's tensor-parallel batch shards do not divide is not checked either.
+the plan's tensor-parallel batch shards do not divide into shards of at least 2 is not checked either.
 
 On local shards a planned module call (tensor_parallel.py, `ModuleRuntime._call_local`) turns its activation
 inputs into DTensors with the placements their producer recorded (or the plan's layout), and its output back
@@ -124,13 +124,16 @@ def dropout_in(model: nn.Module) -> str | None:
 
 def uneven_example(plan: Plan, example_inputs: tuple) -> str | None:
     """Why the example inputs cannot be checked: a batch the plan's tensor-parallel batch shards do not divide
-    (an uneven shard is not what training runs, and not every rank would get rows)."""
+    (an uneven shard is not what training runs, and not every rank would get rows), or shards of one sample,
+    which broadcast against a tensor the model's code builds for the whole batch (GPT-J's attention mask
+    added to half the batch's scores under 2D ran without error on shards of 1, and failed in training)."""
     cut = max((math.prod(plan.mesh.degree(a) for a, pl in lay.items if pl == BATCH and a != "dp")
                for p in plan.ops for lay in (*p.strategy.inputs, p.strategy.output)), default=1)
     first = next((x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor) and x.dim()), None)
-    if first is not None and first.shape[0] % cut:
-        return (f"the example inputs' batch of {first.shape[0]} does not split over the {cut} ranks the plan "
-                f"shards the batch on; pass a multiple of {cut} to check")
+    if first is not None and cut > 1 and (first.shape[0] % cut or first.shape[0] < 2 * cut):
+        return (f"the example inputs' batch of {first.shape[0]} does not split into shards of at least 2 over "
+                f"the {cut} ranks the plan shards the batch on; pass a multiple of {cut} of at least {2 * cut} "
+                "to check")
     return None
 
 

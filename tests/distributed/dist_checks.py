@@ -94,7 +94,8 @@ def _parallelize(model: nn.Module, case: dict, x: torch.Tensor) -> nn.Module:
     if "autoplan" in case:
         return autoparallel(model, f"1x{world}xcpu", example_inputs=(x[:2],), global_batch=case["batch"],
                             **case["autoplan"])
-    return apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh), example_inputs=(x[:2],))
+    # the whole batch: 2D's batch shards of 2 can be checked on local shards (uneven_example)
+    return apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh), example_inputs=(x,))
 
 
 def _one_case(case: dict) -> dict:

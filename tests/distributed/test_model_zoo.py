@@ -5,13 +5,14 @@ parameter after three AdamW steps (atol 1e-5).
 Per architecture: the plan the planner picks with its default space ("default"); a tensor-parallel plan
 (`estimate`'s Megatron assignment, dp=2 x tp=2: the tiny models are too small for the planner to choose
 tensor parallelism on this cluster's profile, so the plan is asked for); and for decoders a pipelined plan
-(pp=2 x dp=2, 1F1B, 4 micro-batches); for some, plans with activation recomputation (`RECOMPUTE`). Where the contract (planner/contract.py) says the runtime cannot run a
-combination, the test checks that the planner does not offer it instead.
+(pp=2 x dp=2, 1F1B, 4 micro-batches); for some, plans with activation recomputation or sequence parallelism
+(`EXTRA`). Where the contract (planner/contract.py) says the runtime cannot run a combination, the test checks
+that the planner does not offer it instead.
 
 CI runs `CI_ARCHS` (the cases behind the bugs this matrix was built for: Gemma's scaled embedding under TP,
 Mistral's two key/value heads, OPT's positional embedding, MoE, an encoder-decoder with tied embeddings, a
-CNN, Bloom's eager attention recomputed under TP); `AUTOSHARD_ZOO=all pytest tests/distributed/test_model_zoo.py` runs every architecture, and also applies
-every plan `plan()` returns under each single-family space.
+CNN, Bloom's eager attention recomputed under TP); `AUTOSHARD_ZOO=all pytest tests/distributed/test_model_zoo.py`
+runs every architecture, and also applies every plan `plan()` returns under each single-family space.
 """
 
 from __future__ import annotations
@@ -35,17 +36,20 @@ ALL = os.environ.get("AUTOSHARD_ZOO") == "all"
 RUN_ARCHS = ARCHS if ALL else CI_ARCHS
 SPACES = ("dp", "zero", "tp1d", "tp2d", "pp,dp") if ALL else ()
 CLUSTER = ClusterSpec.parse("1x4xcpu")
-# recompute cases: selective under tensor parallelism (Mistral: fused attention, torchtitan's op policy; Bloom,
+# extra hand plans. Recompute: selective under tensor parallelism (Mistral: fused attention, torchtitan's op policy; Bloom,
 # GPT-J: eager attention, Korthikanti's score policy), full on pipeline stages (Gemma, Qwen3) and with data
 # parallelism alone on plain tensors, where the key/value cache must stay off (OPT; GPT-J's eager attention
 # failed on a cache filled twice)
-RECOMPUTE = {
+EXTRA = {
     "mistral": {"tp-selective": dict(tp=2, dp=2, recompute="selective")},
     "bloom": {"tp-selective": dict(tp=2, dp=2, recompute="selective")},
     "opt": {"dp-full": dict(dp=4, recompute="full")},
     "gemma": {"pp-full": dict(pp=2, dp=2, recompute="full")},
     "gptj": {"tp-selective": dict(tp=2, dp=2, recompute="selective"), "dp-full": dict(dp=4, recompute="full")},
-    "qwen3": {"pp-full": dict(pp=2, dp=2, recompute="full"), "tp-selective": dict(tp=2, dp=2, recompute="selective")},
+    "qwen3": {"pp-full": dict(pp=2, dp=2, recompute="full"), "tp-sp": dict(tp=2, dp=2, sequence_parallel=True)},
+    # sequence parallelism where the model's attention output is reshaped from a shard laid out unlike its global
+    # strides (OLMo2: "view size is not compatible"), and where the model is plain Llama-like (Qwen3)
+    "olmo2": {"tp-sp": dict(tp=2, dp=2, sequence_parallel=True)},
 }
 
 
@@ -86,8 +90,8 @@ def _cases(arch: str) -> list[dict]:
         out.append(("tp", _asked(arch, tp=2, dp=2)))
         if arch in DECODERS:
             out.append(("pp", _asked(arch, pp=2, dp=2)))
-    if arch in RECOMPUTE:  # activation recomputation: the block runs again in backward, in the forward's mode
-        out += [(f"recompute-{k}", _asked(arch, **degrees)) for k, degrees in RECOMPUTE[arch].items()]
+    if arch in EXTRA:  # activation recomputation (the block runs again in backward, in the forward's mode), SP
+        out += [(f"extra-{k}", _asked(arch, **degrees)) for k, degrees in EXTRA[arch].items()]
     for space in SPACES:
         try:
             out.append((f"space={space}", _planned(arch, space)))
@@ -155,9 +159,9 @@ def test_pipelined_decoder_equals_one_process(arch):
     assert _equal(r), r
 
 
-@pytest.mark.parametrize("arch, kind", [(a, k) for a in RUN_ARCHS for k in RECOMPUTE.get(a, {})])
-def test_recomputed_blocks_equal_one_process(arch, kind):
-    r = _results(arch)[f"{arch}-recompute-{kind}"]
+@pytest.mark.parametrize("arch, kind", [(a, k) for a in RUN_ARCHS for k in EXTRA.get(a, {})])
+def test_recomputed_blocks_and_sequence_parallel_plans_equal_one_process(arch, kind):
+    r = _results(arch)[f"{arch}-extra-{kind}"]
     assert _equal(r), r
 
 
