@@ -90,8 +90,7 @@ def load_graph(model, *, example_inputs=None, seq: int | None = None):
     if isinstance(model, nn.Module):
         if example_inputs is None:
             raise ConfigurationError("planning an nn.Module needs example_inputs=(...) (one batch of its inputs)")
-        inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        return capture(model, inputs, name=type(model).__name__)
+        return capture(model, example_inputs, name=type(model).__name__)
     return capture_model(load_model(model, seq=seq))
 
 

@@ -118,3 +118,23 @@ def test_sequence_parallel_on_a_convolutional_net_is_one_clear_error():
     with pytest.raises(ConfigurationError, match="drop --sequence-parallel"):
         estimate(graph, cluster, HandConfig(tp=2, dp=2, global_batch=8, sequence_parallel=True))
     estimate(graph, cluster, HandConfig(tp=2, dp=2, global_batch=8))  # without it the plan is priced
+
+
+def test_encoder_decoder_captures_from_its_natural_keyword_inputs():
+    """T5 as users call it, `model(input_ids=..., decoder_input_ids=...)`: the same graph as the positional
+    form with the skipped `attention_mask` at its default; a keyword the forward does not take is one error."""
+    import torch
+    import transformers as T
+
+    from autoshard.capture import capture
+    from autoshard.errors import CaptureError
+
+    torch.manual_seed(0)
+    model = T.T5ForConditionalGeneration(T.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                                    vocab_size=128))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    by_name = capture(model, {"input_ids": ids, "decoder_input_ids": ids})
+    by_position = capture(model, (ids, None, ids))
+    assert by_name.fingerprint() == by_position.fingerprint()
+    with pytest.raises(CaptureError, match="labels_typo"):
+        capture(model, {"input_ids": ids, "labels_typo": ids})

@@ -13,7 +13,7 @@ from torch import nn
 from autoshard.capture.blocks import find_blocks
 from autoshard.capture.coarsen import coarsen
 from autoshard.capture.expand import expand_blocks
-from autoshard.capture.export import export_model
+from autoshard.capture.export import export_model, positional_inputs
 from autoshard.capture.ir import BlockGroup, Op, OpGraph, OpKind, ParamMeta, TensorMeta
 from autoshard.models import LoadedModel, ModelSpec, build_module
 
@@ -32,14 +32,14 @@ def _tied_params(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple(tied)
 
 
-def capture(model: nn.Module, example_inputs: tuple, *, name: str | None = None) -> OpGraph:
-    """Trace `model` on `example_inputs` (any device, meta included) into an `OpGraph`.
+def capture(model: nn.Module, example_inputs: tuple | dict, *, name: str | None = None) -> OpGraph:
+    """Trace `model` on `example_inputs` (any device, meta included; positional, or keyword arguments as a
+    dict) into an `OpGraph`.
 
     Sizes in the graph are per sample; dim 0 of every tensor input is the batch.
     """
     t0 = time.perf_counter()
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+    example_inputs = positional_inputs(model, example_inputs)
     exported = export_model(model, example_inputs)
     coarse = coarsen(exported, model)
     ops, blocks = find_blocks(_mark_shared(coarse.ops))

@@ -20,9 +20,38 @@ from torch import nn
 
 from autoshard.errors import CaptureError
 
-__all__ = ["ExportedGraph", "export_model", "per_sample_shape", "training_outputs"]
+__all__ = ["ExportedGraph", "export_model", "per_sample_shape", "training_outputs", "positional_inputs"]
 
 log = logging.getLogger(__name__)
+
+
+def positional_inputs(model: nn.Module, example_inputs) -> tuple:
+    """`example_inputs` as the positional arguments of `model.forward`: a tuple as it is, one tensor as a
+    1-tuple, a dict of keyword arguments (T5's `input_ids=..., decoder_input_ids=...`) bound to the forward's
+    parameters in order, the ones it skips at their defaults (None for T5's `attention_mask`)."""
+    import inspect
+
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if not isinstance(example_inputs, dict):
+        return (example_inputs,)
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in params]
+    unknown = sorted(set(example_inputs) - set(names))
+    if unknown:
+        raise CaptureError(f"example inputs {unknown} are not positional parameters of "
+                           f"{type(model).__name__}.forward ({', '.join(names)}); pass inputs it takes")
+    last = max(names.index(k) for k in example_inputs)
+    out = []
+    for p in params[: last + 1]:
+        if p.name in example_inputs:
+            out.append(example_inputs[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            raise CaptureError(f"example inputs give no {p.name!r}, which {type(model).__name__}.forward needs")
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard.capture.export import positional_inputs
 from autoshard.errors import ConfigurationError, RuntimeSetupError
 from autoshard.planner.plan import Plan
 from autoshard.runtime.apply import apply_plan
@@ -92,7 +93,7 @@ def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_
     this rank's batch slice as ordinary tensors. `loss_fn(output, target)` is needed by pipelined plans
     (space with pp), which train through `train_step`.
     """
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    inputs = positional_inputs(model, example_inputs)
     num_ranks, device_type = resolve_cluster(cluster)
     init_distributed(device_type=device_type, timeout_s=timeout_s)
     with distributed_phase("autoparallel"):  # a failure on one rank names it on every rank

@@ -102,8 +102,12 @@ def batch(name: str, size: int, seed: int = 1) -> tuple[tuple, torch.Tensor]:
     return (ids,), target
 
 
-def example(name: str) -> tuple:
-    return batch(name, 2)[0]
+def example(name: str) -> tuple | dict:
+    """Example inputs for capture and `autoparallel`; T5's as users pass them, by keyword."""
+    inputs = batch(name, 2)[0]
+    if name == "t5":
+        return {"input_ids": inputs[0], "decoder_input_ids": inputs[2]}
+    return inputs
 
 
 def loss_fn(out, target: torch.Tensor) -> torch.Tensor:
