@@ -80,7 +80,9 @@ def test_peers_of_a_failed_rank_that_stays_alive_fail_within_the_group_timeout()
     for outcome in _peers(outcomes):
         assert outcome["type"] == "RankFailedError", outcome
         assert outcome["message"].startswith(f"rank 1 failed in train_step: {REASON}; ")
-        assert COLLECTIVE_TIMEOUT_S <= outcome["elapsed_s"] < COLLECTIVE_TIMEOUT_S + 5
+        # ended by the timeout, not by rank 1 leaving: before rank 1's own end (>= timeout + 10 s), a bound
+        # taken in the same run, so a loaded machine that slows every rank alike does not fail it
+        assert COLLECTIVE_TIMEOUT_S <= outcome["elapsed_s"] < outcomes[1]["elapsed_s"], outcome
 
 
 @pytest.mark.timeout(120)
