@@ -264,6 +264,9 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+_SEQ_HELP = "tokens per sample (default: the model's; for a module:factory model, its token-id inputs' length)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="autoshard", description="Auto-parallelization planner for PyTorch training.")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -288,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: GPUs / (tp x pp))")
     e.add_argument("--micro-batch", type=int, default=1)
     e.add_argument("--global-batch", type=int, required=True)
-    e.add_argument("--seq", type=int, default=None, help="tokens per sample (default: the model's; for a module:factory model, its token-id inputs' length)")
+    e.add_argument("--seq", type=int, default=None, help=_SEQ_HELP)
     e.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     e.add_argument("--sequence-parallel", action="store_true")
     e.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
@@ -316,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("model")
     pl.add_argument("--cluster", required=True, help="NODESxGPUSxGPU[@NETWORK] or a cluster YAML file")
     pl.add_argument("--global-batch", type=int, default=None, help="samples per iteration (default 4 per GPU)")
-    pl.add_argument("--seq", type=int, default=None, help="tokens per sample (default: the model's; for a module:factory model, its token-id inputs' length)")
+    pl.add_argument("--seq", type=int, default=None, help=_SEQ_HELP)
     pl.add_argument("--memory-cap", type=float, default=None, help="GiB per GPU (default: the GPU's memory)")
     pl.add_argument("--space", default=None, help="families searched: dp,zero,tp1d,tp2d,tp3d,pp (default all)")
     pl.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")

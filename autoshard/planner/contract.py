@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from autoshard.capture.ir import OpGraph, OpKind
+from autoshard.planner.cache import graph_cache
 
 __all__ = ["spmd_blocker", "expert_ops", "attention_head_counts", "projection_head_slices", "largest_head_divisor",
            "pipeline_blocker", "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
@@ -90,13 +91,15 @@ def projection_head_slices(graph: OpGraph) -> dict[str, int]:
     """Op -> number of head-sized slices of its output, for every projection in a block whose output is a
     whole number of heads: a column split must cut whole heads (Falcon's fused multi-query q/k/v is heads + 2
     slices, reshaped in a view the graph folds away)."""
-    head_dims = _heads_and_head_dims(graph)[1]
-    if not head_dims:
-        return {}
-    hd = min(head_dims)
-    return {op.name: op.gemm[1] // hd for op in graph.ops
+    cache = graph_cache(graph)  # read per candidate by the search's strategies
+    if "head_slices" not in cache:
+        head_dims = _heads_and_head_dims(graph)[1]
+        hd = min(head_dims) if head_dims else 0
+        cache["head_slices"] = {} if not hd else {
+            op.name: op.gemm[1] // hd for op in graph.ops
             if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and op.params and op.layer is not None and op.gemm
             and op.gemm[1] % hd == 0}
+    return cache["head_slices"]
 
 
 def largest_head_divisor(graph: OpGraph) -> int:

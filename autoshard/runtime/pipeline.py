@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoshard.errors import ConfigurationError, PlanFileError, RuntimeSetupError
 from autoshard.planner.contract import schedule_blocker
-from autoshard.planner.layouts import MeshSpec
+from autoshard.planner.layouts import SEQ, MeshSpec
 from autoshard.planner.plan import Plan
 from autoshard.runtime.apply import _statistics_parallel_norms, materializes_scores
 from autoshard.runtime.data_parallel import apply_operator_splitting, apply_sharded_data_parallel
@@ -204,8 +204,6 @@ def cut_sequence_axes(plan: Plan, stage_layers: tuple[tuple[int, int], ...]) -> 
     """Per cut c (chunk c -> c + 1): the tensor-parallel axes the hidden states are sequence-sharded on there,
     from the plan's layout of the last op of chunk c's last block (the cost model's `evaluate.cut_bytes`
     prices the same)."""
-    from autoshard.planner.layouts import SEQ
-
     last = {}
     for op in plan.ops:
         if op.layer is not None:
