@@ -1,17 +1,19 @@
 """autoshard: pick and apply a parallel training plan for a PyTorch model on a GPU cluster."""
 
-from autoshard.api import plan
-from autoshard.hardware_profiles import ClusterSpec
-from autoshard.planner.plan import Plan
-
 __all__ = ["plan", "ClusterSpec", "Plan", "autoparallel", "save_checkpoint", "load_checkpoint", "__version__"]
 __version__ = "0.1.0"
 
 
 _RUNTIME_NAMES = ("autoparallel", "save_checkpoint", "load_checkpoint")
+# imported on first use: `autoshard --help` and `import autoshard.cli` must not import torch (issue 17)
+_LAZY_NAMES = {"plan": "autoshard.api", "ClusterSpec": "autoshard.hardware_profiles", "Plan": "autoshard.planner.plan"}
 
 
 def __getattr__(name: str):
+    if name in _LAZY_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     if name in _RUNTIME_NAMES:  # import torch.distributed: only when asked for
         from autoshard import runtime
 
