@@ -117,8 +117,11 @@ def _cmd_estimate(args) -> int:
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             **prediction_json(pred), "warnings": _warnings(pred, cluster)}
-    head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch {plan.micro_batch} x "
-            f"{plan.num_microbatches}, recompute {plan.recompute}, attention {data['attention']}"
+    from autoshard.planner.explain import batch_label
+
+    head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch "
+            f"{batch_label(plan.micro_batch, plan.num_microbatches)}, recompute {plan.recompute}, "
+            f"attention {data['attention']}"
             + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")]
     per_chunk = data["pipeline"]["layers_per_chunk"]
     if len(set(per_chunk)) > 1:
@@ -143,7 +146,7 @@ def _pred_row(pred) -> dict | None:
 
 def _cmd_plan(args) -> int:
     from autoshard.api import plan_with_baselines
-    from autoshard.planner.explain import block_table, explain_rows
+    from autoshard.planner.explain import block_table, explain_groups, explain_rows
 
     progress = (lambda msg: print(f"autoshard: {msg}", file=sys.stderr)) if not args.json else None
     plan, result, baselines, graph, cluster = plan_with_baselines(
@@ -158,7 +161,7 @@ def _cmd_plan(args) -> int:
                                                       "schedule": plan.pipeline.schedule,
                                                       "virtual_stages": plan.pipeline.virtual_stages},
             "predicted": {**_pred_row(pred), **prediction_json(pred)}, "warnings": _warnings(pred, cluster),
-            "ops": explain_rows(plan),
+            "ops": explain_rows(plan), "layer_groups": explain_groups(plan),
             "baselines": {k: _pred_row(b.prediction) for k, b in baselines.items()},
             "baseline_configs": {k: b.config or b.note for k, b in baselines.items()},
             "solve_time_s": result.solve_time_s,
@@ -176,15 +179,17 @@ def _cmd_plan(args) -> int:
 
 
 def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
+    from autoshard.planner.explain import batch_label
+
     pred = plan.prediction
     pipe = plan.pipeline
     lines = [f"{plan.model} on {cluster} ({cluster.num_gpus} GPUs), global batch {plan.global_batch}, "
              f"seq {plan.seq}",
              f"mesh             {plan.mesh}" + (f", {pipe.schedule} x{pipe.virtual_stages} over {pipe.degree} stages"
                                                if pipe.degree > 1 else ""),
-             f"micro-batching   {plan.micro_batch} x {plan.num_microbatches} per replica, recompute {plan.recompute}"
+             f"micro-batch      {batch_label(plan.micro_batch, plan.num_microbatches)}, recompute {plan.recompute}"
              + (", layered gradient accumulation" if pipe.layered else ""),
-             *_prediction_text(pred, cluster), "", "per-block strategies:", *("  " + t for t in table), "",
+             *_prediction_text(pred, cluster), "", "strategies per operator:", *("  " + t for t in table), "",
              f"{'':14s}{'tokens/s':>14s}{'MFU':>8s}{'GiB/GPU':>9s}  configuration",
              f"{'plan':14s}{pred.tokens_per_s:14,.0f}{pred.mfu * 100:7.1f}%{pred.memory.total_bytes / 2**30:9.1f}"]
     for name, b in baselines.items():
@@ -215,17 +220,21 @@ def _cluster_or_none(text: str):
 
 
 def _cmd_explain(args) -> int:
-    from autoshard.planner.explain import explain_rows, explain_text
+    from autoshard.planner.explain import explain_groups, explain_rows, explain_text
     from autoshard.planner.plan import Plan
 
     plan = Plan.load(args.plan)
-    data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(), "ops": explain_rows(plan)}
+    shown = {"layer": args.layer, "op": args.op}
+    text = explain_text(plan, **shown)  # an unknown layer or a pattern matching nothing: one line, exit 2
+    data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
+            "micro_batch": plan.micro_batch, "num_microbatches": plan.num_microbatches,
+            "layer_groups": explain_groups(plan, **shown), "ops": explain_rows(plan, **shown)}
     if args.plot:
         from autoshard.plotting import plot_plan
 
         plot_plan(plan, {}, _cluster_or_none(plan.cluster), args.plot)
         data["plot"] = args.plot
-    _emit(args, data, explain_text(plan) + (f"\npicture written to {args.plot}" if args.plot else ""))
+    _emit(args, data, text + (f"\npicture written to {args.plot}" if args.plot else ""))
     return 0
 
 
@@ -330,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("explain", help="why each operator got its strategy, and the runner-up")
     x.add_argument("plan", help="a plan file written by `autoshard plan -o`")
+    x.add_argument("--layer", type=int, default=None, help="only the operators of layer N")
+    x.add_argument("--op", default=None, metavar="PATTERN",
+                   help="only operators whose name contains PATTERN or matches it as a glob (fnmatch), "
+                        "e.g. 'mlp' or '*.attn.*proj'")
     x.add_argument("--plot", default=None, help="write a picture of the plan (PNG)")
     x.add_argument("--json", action="store_true")
     x.set_defaults(func=_cmd_explain)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from autoshard.cost_models.breakdown import GIB
 from autoshard.errors import ConfigurationError
+from autoshard.planner.explain import batch_label
 from autoshard.planner.plan import OpPlan, Plan, Prediction
 
 __all__ = ["plot_plan", "FIGSIZE_IN", "DPI"]
@@ -110,7 +111,8 @@ def _title(plan: Plan, cluster) -> str:
 
 def _plan_config(plan: Plan) -> str:
     pipe = plan.pipeline
-    text = f"mesh {str(plan.mesh) or 'one GPU'}, micro-batch {plan.micro_batch} x {plan.num_microbatches}, recompute {plan.recompute}"
+    text = (f"mesh {str(plan.mesh) or 'one GPU'}, micro-batch {batch_label(plan.micro_batch, plan.num_microbatches)}, "
+            f"recompute {plan.recompute}")
     if pipe.degree > 1:
         text += f", {pipe.schedule}" + (f" x{pipe.virtual_stages}" if pipe.virtual_stages > 1 else "")
     return text

@@ -1,10 +1,117 @@
-"""`autoshard explain plan.json`: why each operator got its strategy, and what it would have cost otherwise."""
+"""`autoshard explain plan.json`: why each operator got its strategy, and what it would have cost otherwise.
+
+Every layer is covered: layers whose operators got the same strategies, position by position (names compared
+with the layer index replaced by `*`), are folded into one group and the output says which layers it stands
+for; operators outside layers (embeddings, head) are shown once. Names are printed whole, never cut.
+"""
 
 from __future__ import annotations
 
+import fnmatch
+from dataclasses import dataclass, replace
+
+from autoshard.errors import PlanFileError
 from autoshard.planner.plan import OpPlan, Plan
 
-__all__ = ["explain_rows", "explain_text", "block_table"]
+__all__ = ["LayerGroup", "batch_label", "block_table", "explain_groups", "explain_rows", "explain_text",
+           "layer_groups", "layer_pattern"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerGroup:
+    """Ops shown together: `layers` they stand for (empty: ops outside layers) and the first layer's ops."""
+
+    layers: tuple[int, ...]
+    ops: tuple[OpPlan, ...]
+
+    @property
+    def title(self) -> str:
+        if not self.layers:
+            return "outside layers"
+        n = len(self.layers)
+        if n == 1:
+            return f"layer {self.layers[0]} (1 layer)"
+        return f"layers {_ranges(self.layers)} ({n} layers, same choices)"
+
+
+def batch_label(micro_batch: int, num_microbatches: int) -> str:
+    """`1 sample x 64 micro-batches per replica`: says which number is the size and which the count."""
+    return (f"{micro_batch} sample{'' if micro_batch == 1 else 's'} x {num_microbatches} "
+            f"micro-batch{'' if num_microbatches == 1 else 'es'} per replica")
+
+
+def layer_pattern(p: OpPlan) -> str:
+    """The name with its layer index as `*`: `model.layers.3.mlp.up_proj` -> `model.layers.*.mlp.up_proj`.
+    The index is the outermost numeric component equal to `p.layer` (capture/blocks.py numbers blocks so)."""
+    if p.layer is None:
+        return p.op
+    parts = p.op.split(".")
+    if str(p.layer) in parts:
+        parts[parts.index(str(p.layer))] = "*"
+    return ".".join(parts)
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """(0, 1, 2, 3, 8) -> '0-3, 8'."""
+    spans: list[list[int]] = []
+    for i in sorted(layers):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _signature(ops: list[OpPlan]) -> tuple:
+    """What must be equal for two layers to fold: per op position, the layer-free name and the strategy (its
+    parameters by placement; their names carry the layer index)."""
+    return tuple((layer_pattern(p), replace(p.strategy, params=tuple(replace(pp, name="") for pp in p.strategy.params)))
+                 for p in ops)
+
+
+def layer_groups(plan: Plan, *, layer: int | None = None) -> list[LayerGroup]:
+    """Ops outside layers before the first layer, one group per distinct set of layer choices (in order of
+    first layer), then the remaining ops outside layers. `layer`: only that layer's ops, as one group."""
+    by_layer: dict[int, list[OpPlan]] = {}
+    before: list[OpPlan] = []
+    after: list[OpPlan] = []
+    for p in plan.ops:
+        if p.layer is not None:
+            by_layer.setdefault(p.layer, []).append(p)
+        else:
+            (after if by_layer else before).append(p)
+    if layer is not None:
+        if layer not in by_layer:
+            have = f"layers {_ranges(tuple(by_layer))}" if by_layer else "no layers"
+            raise PlanFileError(f"layer {layer} is not in the plan of {plan.model}: it has {have}")
+        return [LayerGroup(layers=(layer,), ops=tuple(by_layer[layer]))]
+    folded: dict[tuple, list[int]] = {}
+    for i in sorted(by_layer):
+        folded.setdefault(_signature(by_layer[i]), []).append(i)
+    groups = [LayerGroup(layers=tuple(ls), ops=tuple(by_layer[ls[0]])) for ls in folded.values()]
+    outside = [LayerGroup(layers=(), ops=tuple(ops)) for ops in (before, after) if ops]
+    return outside[:1] + groups + outside[1:] if before else groups + outside
+
+
+def _matches(p: OpPlan, pattern: str) -> bool:
+    names = (p.op, layer_pattern(p))
+    return any(pattern in n or fnmatch.fnmatchcase(n, f"*{pattern}*") for n in names)
+
+
+def _selected(plan: Plan, *, layer: int | None, op: str | None) -> list[LayerGroup]:
+    groups = layer_groups(plan, layer=layer)
+    if op is not None:
+        groups = [LayerGroup(layers=g.layers, ops=tuple(p for p in g.ops if _matches(p, op))) for g in groups]
+        groups = [g for g in groups if g.ops]
+        if not groups:
+            raise PlanFileError(f"no operator of the plan of {plan.model} matches {op!r} (a substring or an "
+                                f"fnmatch pattern of names like {plan.ops[0].op if plan.ops else 'model.x'!r})")
+    return groups
+
+
+def _display_name(p: OpPlan, g: LayerGroup) -> str:
+    """Folded groups show the layer-free name; a single layer shows the real one."""
+    return p.op if len(g.layers) <= 1 else layer_pattern(p)
 
 
 def _label(p: OpPlan) -> str:
@@ -13,27 +120,31 @@ def _label(p: OpPlan) -> str:
     return st.name + extra
 
 
-def _representatives(plan: Plan) -> list[OpPlan]:
-    """One row per op of the first block (every block is the same) and each op outside blocks."""
-    first_layer = min((p.layer for p in plan.ops if p.layer is not None), default=None)
-    return [p for p in plan.ops if p.layer is None or p.layer == first_layer]
+def _row(p: OpPlan, g: LayerGroup) -> dict:
+    st = p.strategy
+    return {
+        "op": p.op, "name": _display_name(p, g), "kind": p.kind, "layer": p.layer,
+        "layers": list(g.layers) if g.layers else None, "strategy": _label(p),
+        "inputs": [str(x) for x in st.inputs], "output": str(st.output),
+        "params": {pp.name: {"compute": str(pp.compute), "storage": str(pp.storage)} for pp in st.params},
+        "time_ms": p.time_s * 1e3, "state_gib": p.memory_bytes / 2**30,
+        "runner_up": p.runner_up,
+        "runner_up_time_ms": None if p.runner_up_time_s is None else p.runner_up_time_s * 1e3,
+        "runner_up_state_gib": None if p.runner_up_memory_bytes is None else p.runner_up_memory_bytes / 2**30,
+        "why": _why(p),
+    }
 
 
-def explain_rows(plan: Plan) -> list[dict]:
-    rows = []
-    for p in _representatives(plan):
-        st = p.strategy
-        rows.append({
-            "op": p.op, "kind": p.kind, "layer": p.layer, "strategy": _label(p),
-            "inputs": [str(x) for x in st.inputs], "output": str(st.output),
-            "params": {pp.name: {"compute": str(pp.compute), "storage": str(pp.storage)} for pp in st.params},
-            "time_ms": p.time_s * 1e3, "state_gib": p.memory_bytes / 2**30,
-            "runner_up": p.runner_up,
-            "runner_up_time_ms": None if p.runner_up_time_s is None else p.runner_up_time_s * 1e3,
-            "runner_up_state_gib": None if p.runner_up_memory_bytes is None else p.runner_up_memory_bytes / 2**30,
-            "why": _why(p),
-        })
-    return rows
+def explain_rows(plan: Plan, *, layer: int | None = None, op: str | None = None) -> list[dict]:
+    """One row per op shown: ops outside layers once, each group of identical layers once (`layers` says
+    which it stands for; `op` is the first layer's real name, `name` the one printed)."""
+    return [_row(p, g) for g in _selected(plan, layer=layer, op=op) for p in g.ops]
+
+
+def explain_groups(plan: Plan, *, layer: int | None = None, op: str | None = None) -> list[dict]:
+    """The groups shown, for `--json`: title, layers (empty: outside layers) and the names in each."""
+    return [{"title": g.title, "layers": list(g.layers), "num_layers": len(g.layers),
+             "ops": [_display_name(p, g) for p in g.ops]} for g in _selected(plan, layer=layer, op=op)]
 
 
 def _why(p: OpPlan) -> str:
@@ -51,23 +162,49 @@ def _why(p: OpPlan) -> str:
     return f"ties with {p.runner_up}"
 
 
+def _coverage(plan: Plan, *, layer: int | None = None, op: str | None = None) -> str:
+    """One line saying what the table covers, so that nothing is left out silently."""
+    groups = [g for g in layer_groups(plan) if g.layers]
+    num_layers = sum(len(g.layers) for g in groups)
+    line = (f"{num_layers} layers in {len(groups)} group{'' if len(groups) == 1 else 's'} of identical choices; "
+            "ops outside layers shown once" if groups else "no repeated layers: every op shown")
+    filters = ([f"layer {layer}"] if layer is not None else []) + ([f"ops matching {op!r}"] if op is not None else [])
+    return line + (f"; shown: only {' and '.join(filters)}" if filters else "")
+
+
 def block_table(plan: Plan) -> list[str]:
-    """Per-block summary lines: op, strategy, layouts."""
-    lines = [f"{'operator':46s} {'strategy':18s} {'input':26s} {'output':26s}"]
-    for p in _representatives(plan):
-        st = p.strategy
-        inp = str(st.inputs[0]) if st.inputs else "-"
-        lines.append(f"{p.op[-46:]:46s} {_label(p):18s} {inp[:26]:26s} {str(st.output)[:26]:26s}")
+    """Per-group summary lines: op, strategy, input and output layouts, every layer covered."""
+    groups = layer_groups(plan)
+    cells = {id(g): [(_display_name(p, g), _label(p), str(p.strategy.inputs[0]) if p.strategy.inputs else "-",
+                      str(p.strategy.output)) for p in g.ops] for g in groups}
+    every = [c for rows in cells.values() for c in rows]
+    wn = max([len("operator")] + [len(c[0]) + 2 for c in every])  # + 2: names are indented under their group
+    ws = max([len("strategy")] + [len(c[1]) for c in every])
+    wi = max([len("input")] + [len(c[2]) for c in every])
+    lines = [_coverage(plan), f"{'operator':{wn}s} {'strategy':{ws}s} {'input':{wi}s} output"]
+    for g in groups:
+        lines.append(f"{g.title}:")
+        lines += [f"  {name:{wn - 2}s} {label:{ws}s} {inp:{wi}s} {out}" for name, label, inp, out in cells[id(g)]]
     return lines
 
 
-def explain_text(plan: Plan) -> str:
-    out = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch {plan.micro_batch}, recompute "
-           f"{plan.recompute}" + (f", pipeline {plan.pipeline.degree} x {plan.pipeline.schedule}"
-                                  if plan.pipeline.degree > 1 else ""), ""]
-    out.append(f"{'operator':44s} {'chosen':16s} {'ms':>8s}  {'runner-up':20s} {'ms':>8s}  why")
-    for r in explain_rows(plan):
-        ru = r["runner_up"] or "-"
-        rut = f"{r['runner_up_time_ms']:.3f}" if r["runner_up_time_ms"] is not None else "-"
-        out.append(f"{r['op'][-44:]:44s} {r['strategy']:16s} {r['time_ms']:8.3f}  {ru[:20]:20s} {rut:>8s}  {r['why']}")
+def explain_text(plan: Plan, *, layer: int | None = None, op: str | None = None) -> str:
+    """The table `autoshard explain` prints: a header, what is covered, then each group's ops."""
+    head = (f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch "
+            f"{batch_label(plan.micro_batch, plan.num_microbatches)}, recompute {plan.recompute}"
+            + (f", pipeline {plan.pipeline.degree} x {plan.pipeline.schedule}" if plan.pipeline.degree > 1 else ""))
+    groups = _selected(plan, layer=layer, op=op)
+    rows = {id(g): [_row(p, g) for p in g.ops] for g in groups}
+    every = [r for rs in rows.values() for r in rs]
+    wn = max([len("operator")] + [len(r["name"]) + 2 for r in every])  # + 2: names are indented under their group
+    ws = max([len("chosen")] + [len(r["strategy"]) for r in every])
+    wr = max([len("runner-up")] + [len(r["runner_up"] or "-") for r in every])
+    out = [head, _coverage(plan, layer=layer, op=op), "",
+           f"{'operator':{wn}s} {'chosen':{ws}s} {'ms':>8s}  {'runner-up':{wr}s} {'ms':>8s}  why"]
+    for g in groups:
+        out.append(f"{g.title}:")
+        for r in rows[id(g)]:
+            rut = f"{r['runner_up_time_ms']:.3f}" if r["runner_up_time_ms"] is not None else "-"
+            out.append(f"  {r['name']:{wn - 2}s} {r['strategy']:{ws}s} {r['time_ms']:8.3f}  "
+                       f"{r['runner_up'] or '-':{wr}s} {rut:>8s}  {r['why']}")
     return "\n".join(out)

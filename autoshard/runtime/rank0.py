@@ -134,11 +134,12 @@ def check_plan_on_rank0(plan: Plan, model: nn.Module, example_inputs: tuple) -> 
 
 
 def plan_summary(plan: Plan) -> str:
-    """The plan as rank 0 logs it: mesh, micro-batching, predicted time and one line per op of a block."""
-    from autoshard.planner.explain import block_table
+    """The plan as rank 0 logs it: mesh, micro-batching, predicted time and one line per op of each group of
+    identical layers."""
+    from autoshard.planner.explain import batch_label, block_table
 
     lines = [f"plan for {plan.model}: mesh {plan.mesh}, global batch {plan.global_batch} "
-             f"({plan.micro_batch} x {plan.num_microbatches} per replica), recompute {plan.recompute}"]
+             f"({batch_label(plan.micro_batch, plan.num_microbatches)}), recompute {plan.recompute}"]
     if plan.prediction is not None:
         pred = plan.prediction
         lines.append(f"predicted {pred.iteration_time_s * 1e3:.2f} ms per step, "
