@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autoshard.capture import capture_model
-from autoshard.errors import ConfigurationError
+from autoshard.errors import ConfigurationError, require_positive
 from autoshard.models import load_model
 from autoshard.planner.estimate import HandConfig, estimate
 
@@ -74,8 +74,8 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
     if check_memory and need > cluster.device_memory_bytes:
         raise ConfigurationError(
             f"this configuration needs {need / 2**30:.1f} GiB per GPU but {cluster.gpu.name} has "
-            f"{cluster.device_memory_bytes / 2**30:.0f} GiB; raise tp/pp, use --recompute full, "
-            "a smaller --micro-batch or --zero")
+            f"{cluster.device_memory_bytes / 2**30:.0f} GiB; raise tp/pp, use recompute='full', "
+            "a smaller micro_batch or zero", params=("tp", "pp", "recompute", "micro_batch", "zero"))
     return plan, cluster
 
 
@@ -97,16 +97,14 @@ def load_graph(model, *, example_inputs=None, seq: int | None = None):
 def _cap_bytes(cluster, memory_cap_gib: float | None) -> float:
     if memory_cap_gib is None:
         return cluster.device_memory_bytes
-    if memory_cap_gib <= 0:
-        raise ConfigurationError(f"--memory-cap must be a positive number of GiB, got {memory_cap_gib}")
+    require_positive("memory_cap", memory_cap_gib, integer=False, unit=" of GiB")
     return memory_cap_gib * 2**30
 
 
 def _default_global_batch(cluster, global_batch: int | None) -> int:
     if global_batch is None:
         return 4 * cluster.num_gpus
-    if global_batch < 1:
-        raise ConfigurationError(f"--global-batch must be a positive integer, got {global_batch}")
+    require_positive("global_batch", global_batch)
     return global_batch
 
 

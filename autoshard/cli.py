@@ -152,8 +152,6 @@ def _cmd_plan(args) -> int:
     plan, result, baselines, graph, cluster = plan_with_baselines(
         args.model, args.cluster, global_batch=args.global_batch, seq=args.seq, memory_cap=args.memory_cap,
         space=args.space, time_limit_s=args.time_limit, progress=progress)
-    if args.output:
-        plan.save(args.output)
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
             "mesh": plan.mesh.to_json(), "micro_batch": plan.micro_batch, "num_microbatches": plan.num_microbatches,
@@ -166,14 +164,15 @@ def _cmd_plan(args) -> int:
             "baseline_configs": {k: b.config or b.note for k, b in baselines.items()},
             "solve_time_s": result.solve_time_s,
             "search": {"considered": result.considered, "solved": result.solved,
-                       "pruned_by_memory": result.pruned_memory}}
-    if args.output:
-        data["plan_file"] = args.output
-    if args.plot:
+                       "pruned_by_memory": result.pruned_memory, "optimal": result.optimal}}
+    if args.plot:  # the picture first: a plot that fails leaves no plan file behind
         from autoshard.plotting import plot_plan
 
         plot_plan(plan, baselines, cluster, args.plot)
         data["plot"] = args.plot
+    if args.output:
+        plan.save(args.output)
+        data["plan_file"] = args.output
     _emit(args, data, "\n".join(_plan_text(plan, result, baselines, cluster, block_table(plan), args)))
     return 0
 
@@ -201,7 +200,8 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
             lines.append(f"{name:14s}{p.tokens_per_s:14,.0f}{p.mfu * 100:7.1f}%{p.memory.total_bytes / 2**30:9.1f}"
                          f"  {b.config}")
     lines.append(f"\nsearch           {result.solve_time_s:.1f} s: {result.solved} ILPs solved of {result.considered} "
-                 f"candidates ({result.pruned_memory} pruned by the memory bound)")
+                 f"candidates ({result.pruned_memory} pruned by the memory bound)"
+                 + ("" if result.optimal else "; the best found when the time limit hit, not proven optimal"))
     if args.output:
         lines.append(f"plan written to  {args.output}")
     if args.plot:
@@ -263,6 +263,87 @@ def _cmd_measure(args) -> int:
     from autoshard.cli_runtime import measure_command
 
     return measure_command(args, _emit)
+
+
+# -- argument checks: every one before any capture or search (issue 17) ----------------------------------------
+# messages name the Python parameters (autoshard.errors); `_cli_message` turns them into these flags
+_FLAGS = {"time_limit_s": "--time-limit", "output": "-o/--output", "path": "--plot"}
+
+
+def _flag(param: str) -> str:
+    return _FLAGS.get(param, "--" + param.replace("_", "-"))
+
+
+def _cli_message(exc: AutoshardError) -> str:
+    """The error's one line with each Python parameter it names written as the CLI flag (`global_batch=8` ->
+    `--global-batch 8`, `global_batch` -> `--global-batch`)."""
+    import re
+
+    text = " ".join(str(exc).split())  # one line, whatever the message
+    for param in getattr(exc, "params", ()):
+        text = re.sub(rf"(?<![\w-]){re.escape(param)}=", _flag(param) + " ", text)
+        text = re.sub(rf"(?<![\w-]){re.escape(param)}\b", _flag(param), text)
+    return text
+
+
+def _prepare_output(path: str, param: str) -> None:
+    """Every file-writing option: create the file's directory (like mkdir -p) before any work, or fail now."""
+    import os
+    from pathlib import Path
+
+    from autoshard.errors import ConfigurationError
+
+    target = Path(path).expanduser()
+    parent = target.parent
+    if target.is_dir():
+        raise ConfigurationError(f"{param}={path!r} is a directory; give a file name", params=(param,))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(f"{param}={path!r}: cannot create directory {parent} ({exc.strerror or exc}); "
+                                 "give a path in a writable directory", params=(param,)) from None
+    if not os.access(parent, os.W_OK):
+        raise ConfigurationError(f"{param}={path!r}: directory {parent} is not writable; give a path in a "
+                                 "writable directory", params=(param,))
+
+
+def _check_plot(path: str) -> None:
+    import importlib.util
+
+    from autoshard.errors import ConfigurationError
+
+    if not path.lower().endswith(".png"):
+        raise ConfigurationError(f"path={path!r}: only PNG is written; give a file name ending in .png",
+                                 params=("path",))
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigurationError("path needs matplotlib: pip install 'autoshard[plot]'", params=("path",))
+
+
+def _check_args(args) -> None:
+    """Checks that need no model: sizes, the cluster, the search space and output paths."""
+    from autoshard.errors import require_positive
+
+    ints = {"inspect": ("seq", "batch"), "estimate": ("tp", "pp", "dp", "micro_batch", "global_batch", "seq",
+                                                      "virtual_stages"), "plan": ("global_batch", "seq")}
+    for name in ints.get(args.command, ()):
+        if getattr(args, name) is not None:
+            require_positive(name, getattr(args, name))
+    if args.command == "plan":
+        if args.memory_cap is not None:
+            require_positive("memory_cap", args.memory_cap, integer=False, unit=" of GiB")
+        require_positive("time_limit_s", args.time_limit, integer=False, unit=" of seconds")
+        from autoshard.planner.search import parse_space
+
+        parse_space(args.space)
+    if args.command in ("plan", "estimate"):
+        from autoshard.hardware_profiles import ClusterSpec
+
+        ClusterSpec.parse(args.cluster)
+    if getattr(args, "plot", None):
+        _check_plot(args.plot)
+        _prepare_output(args.plot, "path")
+    if args.command in ("plan", "estimate", "profile") and args.output:
+        _prepare_output(args.output, "output")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -377,9 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
                         stream=sys.stderr)
     try:
+        _check_args(args)
         return args.func(args)
     except AutoshardError as exc:
-        print(f"autoshard: error: {exc}", file=sys.stderr)
+        print(f"autoshard: error: {_cli_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("autoshard: interrupted", file=sys.stderr)

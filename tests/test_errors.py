@@ -126,3 +126,114 @@ def test_failed_plan_writes_no_file(tmp_path, capsys):
     code = main(["plan", "gpt2-xl", "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--memory-cap", "0.5",
                  "-o", str(out)])
     assert code == 2 and not out.exists() and not list(tmp_path.iterdir())
+
+
+# -- issue 17: every argument is checked before the model is captured -------------------------------------------
+TINY = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
+EARLY_CASES = [  # (argv, fragment): each must fail before capture
+    (["plan", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "-8"], "--global-batch must be a positive integer"),
+    (["plan", TINY, "--cluster", "1x2xA100-80GB", "--seq", "0"], "--seq must be a positive integer"),
+    (["plan", TINY, "--cluster", "1x2xA100-80GB", "--memory-cap", "0"], "--memory-cap must be a positive number"),
+    (["plan", TINY, "--cluster", "1x2xA100-80GB", "--time-limit", "0"], "--time-limit must be a positive number"),
+    (["plan", TINY, "--cluster", "1x2xA100-80GB", "--space", "dp,magic"], "--space 'dp,magic': unknown families"),
+    (["plan", TINY, "--cluster", "1x2xB200"], "unknown GPU 'B200'"),
+    (["plan", TINY, "--cluster", "1x2xA100-80GB", "-o", "{d}/a_file/sub/plan.json"], "cannot create directory"),
+    (["plan", TINY, "--cluster", "1x2xA100-80GB", "--plot", "{d}/plan.jpg"], "--plot '"),
+    (["plan", TINY, "--cluster", "1x2xA100-80GB", "--plot", "{d}/a_file/plan.png"], "cannot create directory"),
+    (["estimate", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "-8"], "--global-batch must be a positive"),
+    (["estimate", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--micro-batch", "0"],
+     "--micro-batch must be a positive integer"),
+    (["estimate", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--tp", "0"], "--tp must be a positive"),
+    (["estimate", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--pp", "-1"], "--pp must be a positive"),
+    (["estimate", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--dp", "0"], "--dp must be a positive"),
+    (["estimate", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--virtual-stages", "0"],
+     "--virtual-stages must be a positive"),
+    (["estimate", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--virtual-stages", "2"],
+     "--virtual-stages > 1 needs --pp > 1"),
+    (["estimate", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--seq", "0"], "--seq must be a positive"),
+    (["estimate", TINY, "--cluster", "garbage", "--global-batch", "8"], "expected NODESxGPUSxGPU[@NETWORK]"),
+    (["estimate", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "-o", "{d}/a_file/p.json"],
+     "-o/--output '"),
+    (["inspect", TINY, "--seq", "0"], "--seq must be a positive integer"),
+    (["inspect", TINY, "--batch", "0"], "--batch must be a positive integer"),
+    (["profile", "-o", "{d}/a_file/cluster.yaml"], "cannot create directory"),
+]
+
+
+@pytest.fixture
+def no_capture(monkeypatch):
+    """Capture (10-30 s on a real model) fails the test: every argument check has to come first."""
+    import autoshard.api
+
+    def captured(*args, **kwargs):
+        pytest.fail("the model was loaded or captured before the arguments were checked")
+
+    for name in ("load_model", "capture_model"):
+        monkeypatch.setattr(autoshard.api, name, captured)
+
+
+@pytest.mark.parametrize("argv,fragment", EARLY_CASES,
+                         ids=[" ".join(a[:1] + a[4:] if len(a) > 4 else a) for a, _ in EARLY_CASES])
+def test_cli_rejects_bad_arguments_before_capture_in_one_line(argv, fragment, tmp_path, capsys, no_capture):
+    (tmp_path / "a_file").write_text("not a directory")
+    code = main([a.replace("{d}", str(tmp_path)) for a in argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("autoshard: error: ") and "Traceback" not in err, err
+    assert fragment in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
+
+
+def test_python_api_errors_name_parameters_not_flags():
+    from autoshard.planner.search import parse_space
+
+    with pytest.raises(ConfigurationError, match="^micro_batch must be a positive integer, got 0$"):
+        estimate_config(TINY, "1x2xA100-80GB", micro_batch=0, global_batch=8)
+    with pytest.raises(ConfigurationError, match="^virtual_stages > 1 needs pp > 1$"):
+        estimate_config(TINY, "1x2xA100-80GB", virtual_stages=2, global_batch=8)
+    with pytest.raises(ConfigurationError, match=r"^space='dp,magic': unknown families magic") as info:
+        parse_space("dp,magic")
+    assert "--" not in str(info.value) and info.value.params == ("space",)
+
+
+def test_plan_json_stdout_is_only_json_and_o_creates_its_directory(tmp_path, capsys):
+    out_file = tmp_path / "new" / "dir" / "plan.json"
+    code = main(["plan", TINY, "--cluster", "1x2xA100-80GB", "--json", "-o", str(out_file)])
+    out = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out)
+    assert data["plan_file"] == str(out_file) and out_file.is_file()
+    assert data["search"]["optimal"] is True
+
+
+def test_plan_json_through_a_pipe_parses_with_the_solver_installed(tmp_path):
+    """A real stdout file descriptor: HiGHS writes its banner from C++ to fd 1, not through sys.stdout."""
+    run = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", TINY, "--cluster", "1x2xA100-80GB",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["model"]
+
+
+def test_a_time_limited_search_warns_once_and_says_it_is_not_optimal(monkeypatch, caplog):
+    """Every ILP stopped at its time limit: one warning for the search, and the plan marked as the incumbent."""
+    import dataclasses
+
+    import autoshard.planner.search as search_mod
+    from autoshard.api import load_graph
+    from autoshard.hardware_profiles import ClusterSpec as Cluster
+
+    real_solve = search_mod.solve
+
+    def stopped_at_the_limit(problem, *, time_limit_s):
+        sol = real_solve(problem, time_limit_s=time_limit_s)
+        return dataclasses.replace(sol, status="time_limit") if sol.status == "optimal" else sol
+
+    monkeypatch.setattr(search_mod, "solve", stopped_at_the_limit)
+    progress = []
+    with caplog.at_level("WARNING", logger="autoshard.planner.search"):
+        result = search_mod.search(load_graph(TINY), Cluster.parse("1x2xA100-80GB"), global_batch=8,
+                                   time_limit_s=1.0, progress=progress.append)
+    assert result.optimal is False and result.solved >= 1
+    warnings = [r for r in caplog.records if "time limit" in r.getMessage()]
+    assert len(warnings) == 1 and "not proven optimal" in warnings[0].getMessage()
+    assert not any(m.startswith("searched 0 configurations") for m in progress)  # no line per candidate

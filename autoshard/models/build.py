@@ -62,9 +62,9 @@ def _with_seq(x, seq: int | None, name: str):
     if seq is None or not isinstance(x, torch.Tensor):
         return x
     if x.dim() != 2 or x.dtype.is_floating_point:
-        raise ModelSpecError(f"--seq sets the length of token-id inputs, but {name}'s example input has shape "
-                             f"{tuple(x.shape)} ({x.dtype}); drop --seq or make the factory build inputs of "
-                             "the length you want")
+        raise ModelSpecError(f"seq sets the length of token-id inputs, but {name}'s example input has shape "
+                             f"{tuple(x.shape)} ({x.dtype}); drop seq or make the factory build inputs of "
+                             "the length you want", params=("seq",))
     reps = -(-seq // x.shape[1])
     return x.repeat(1, reps)[:, :seq]
 
@@ -110,16 +110,16 @@ def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | No
         loaded = _load_factory(ref, device)
         if seq is not None:
             if seq <= 0:
-                raise ModelSpecError(f"--seq must be a positive integer, got {seq}")
+                raise ModelSpecError(f"seq must be a positive integer, got {seq}", params=("seq",))
             loaded = replace(loaded, name=f"{loaded.name}@seq{seq}", seq_override=seq)
             loaded.example_inputs(2)  # a factory whose inputs are not token ids says so now
         return loaded
     spec = resolve_spec(ref)
     if seq is not None:
         if seq <= 0:
-            raise ModelSpecError(f"--seq must be a positive integer, got {seq}")
+            raise ModelSpecError(f"seq must be a positive integer, got {seq}", params=("seq",))
         if spec.family in ("vit", "mlp"):
-            raise ModelSpecError(f"{spec.name} has no sequence length; drop --seq")
+            raise ModelSpecError(f"{spec.name} has no sequence length; drop seq", params=("seq",))
         spec = replace(spec, seq=seq)
     name = spec.name if seq is None else f"{spec.name}@seq{seq}"
     if attn is not None and attn != spec.attn:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.cost_models.memory import ALLOCATORS
-from autoshard.errors import ConfigurationError
+from autoshard.errors import ConfigurationError, require_positive
 from autoshard.planner.bounds import block_costs
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.contract import attention_head_counts, pipeline_blocker, projection_head_slices
@@ -37,17 +37,19 @@ class HandConfig:
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages"):
-            if getattr(self, name) < 1:
-                raise ConfigurationError(f"--{name.replace('_', '-')} must be a positive integer, got "
-                                         f"{getattr(self, name)}")
+            require_positive(name, getattr(self, name))
+        if self.virtual_stages > 1 and self.pp == 1:  # checked here: before the model is captured
+            raise ConfigurationError("virtual_stages > 1 needs pp > 1", params=("virtual_stages", "pp"))
         if self.recompute not in ("none", "selective", "full"):
-            raise ConfigurationError(f"--recompute {self.recompute!r}: use none, selective or full")
+            raise ConfigurationError(f"recompute={self.recompute!r}: use none, selective or full", params=("recompute",))
         if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ConfigurationError(f"--schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+            raise ConfigurationError(f"schedule={self.schedule!r}: use one of {', '.join(SCHEDULES)}",
+                                     params=("schedule",))
         if self.zero not in (0, 1, 2, 3):
-            raise ConfigurationError(f"--zero {self.zero}: use 0, 1, 2 or 3")
+            raise ConfigurationError(f"zero={self.zero}: use 0, 1, 2 or 3", params=("zero",))
         if self.allocator not in ALLOCATORS:
-            raise ConfigurationError(f"--allocator {self.allocator!r}: use one of {', '.join(ALLOCATORS)}")
+            raise ConfigurationError(f"allocator={self.allocator!r}: use one of {', '.join(ALLOCATORS)}",
+                                     params=("allocator",))
 
     @property
     def resolved_schedule(self) -> str:
@@ -81,16 +83,15 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
                                  "(a column split must cut whole heads); pick a tp that divides it")
     blocker = pipeline_blocker(graph) if cfg.pp > 1 else None
     if blocker:
-        raise ConfigurationError(f"pp={cfg.pp}: this model cannot be cut into pipeline stages: {blocker}; use --pp 1")
-    if cfg.virtual_stages > 1 and cfg.pp == 1:
-        raise ConfigurationError("--virtual-stages needs --pp > 1")
+        raise ConfigurationError(f"pp={cfg.pp}: this model cannot be cut into pipeline stages: {blocker}; use pp=1",
+                                 params=("pp",))
     convs = [op.name for op in graph.ops if op.kind is OpKind.CONV]
     if cfg.sequence_parallel and cfg.tp > 1 and convs:
         # the sequence dim of a 4-D tensor is an image's height, which its batch norm reduces over (a ResNet
         # under dp2 x tp2 + sequence parallel trained with wrong norm gradients)
-        raise ConfigurationError(f"--sequence-parallel splits token sequences; this model has convolutions "
+        raise ConfigurationError(f"sequence_parallel splits token sequences; this model has convolutions "
                                  f"({convs[0]}{' and more' if len(convs) > 1 else ''}) on image tensors: drop "
-                                 "--sequence-parallel")
+                                 "sequence_parallel", params=("sequence_parallel",))
 
 
 def _stage_layers(graph: OpGraph, pp: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:

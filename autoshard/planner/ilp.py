@@ -419,9 +419,8 @@ def solve(problem: Problem, *, time_limit_s: float = 20.0) -> Solution:
     for op in problem.template.ops:
         vals = [(problem.x[StratVar(op.name, i)].value() or 0.0) for i in range(len(problem.strategies[op.name]))]
         choice[op.name] = max(range(len(vals)), key=vals.__getitem__)
+    # a solve stopped at the time limit returns its incumbent; search() warns once for the whole search
     state = "optimal" if sol == pulp.LpSolutionOptimal else "time_limit"
-    if state == "time_limit":
-        log.warning("ILP hit its %.0f s time limit; using the best plan found so far", time_limit_s)
     return Solution(status=state, objective=float(pulp.value(problem.lp.objective) or 0.0), choice=choice,
                     solve_time_s=elapsed)
 

@@ -61,8 +61,8 @@ def parse_space(text: str | None) -> frozenset[str]:
     if bad:
         from autoshard.errors import ConfigurationError
 
-        raise ConfigurationError(f"--space {text!r}: unknown families {', '.join(sorted(bad))}; choose from "
-                                 f"{', '.join(SPACE)} (e.g. dp,zero for OSDP's space)")
+        raise ConfigurationError(f"space={text!r}: unknown families {', '.join(sorted(bad))}; choose from "
+                                 f"{', '.join(SPACE)} (dp,zero is OSDP's)", params=("space",))
     return parts
 
 
@@ -87,6 +87,9 @@ class SearchResult:
     solved: int = 0
     pruned_memory: int = 0
     log: list[str] = field(default_factory=list)
+    # False when an ILP stopped at its time limit or the search at its budget: the plan is the best found
+    # (the incumbent), not proven the fastest in the space
+    optimal: bool = True
 
 
 def _divisors(n: int) -> list[int]:
@@ -218,6 +221,9 @@ def _strategies(graph: OpGraph, cand: Candidate, space, cache) -> dict[str, list
     return out
 
 
+_PROGRESS_EVERY_S = 2.0  # one progress line per this many seconds of search, not one per candidate
+
+
 def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] = frozenset(SPACE),
            schedules: frozenset[str] = frozenset(SCHEDULES),
            cap_bytes: float | None = None, time_limit_s: float = 20.0, budget_s: float = 120.0,
@@ -228,7 +234,8 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
                                          schedules=schedules)
     t0 = time.perf_counter()
     best: SearchResult | None = None
-    solved, cache = 0, {}
+    solved, num_time_limited, stopped_early, cache = 0, 0, False, {}
+    last_progress_s = t0
     for i, cand in enumerate(cands):
         bound = best.evaluation.prediction.iteration_time_s if best is not None else math.inf
         if cand.time_lb_s >= bound:
@@ -236,19 +243,26 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
         if time.perf_counter() - t0 > budget_s and best is not None:
             log.warning("search stopped after %.0f s with %d candidates left; the plan is the best found so far",
                         budget_s, len(cands) - i)
+            stopped_early = True
             break
         prepared = _prepare(graph, cluster, cand, space, cache)
         if prepared is None or not _may_beat(graph, cand, prepared, cap, bound, cache):
             continue
         result = _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prepared, bound, cache)
         solved += result is not None
-        if progress and solved % 10 == 0:
+        num_time_limited += result is not None and not result.optimal
+        if progress and time.perf_counter() - last_progress_s >= _PROGRESS_EVERY_S:
+            last_progress_s = time.perf_counter()
             progress(f"searched {solved} configurations ({i + 1}/{len(cands)} by bound)")
         if result is not None and (best is None or result.evaluation.prediction.iteration_time_s <
                                    best.evaluation.prediction.iteration_time_s):
             best = result
     if best is None:
         raise _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned)
+    if num_time_limited:  # one warning for the whole search, not one per ILP
+        log.warning("%d of %d ILP solves stopped at the %g s time limit: the plan is the best found (the incumbent), "
+                    "not proven optimal; raise the time limit for the optimum", num_time_limited, solved, time_limit_s)
+    best.optimal = not (num_time_limited or stopped_early)
     best.assignment = expand_assignment(graph, best.assignment)
     best.evaluation = evaluate(graph, best.assignment, _context(graph, cluster, best.candidate), best.candidate.pipe,
                                global_batch=global_batch)
@@ -304,7 +318,8 @@ def _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prep
     ev = evaluate(graph, assign, ctx, cand.pipe, global_batch=global_batch, check_tied=False)
     if ev.prediction.memory.total_bytes > cap * 1.0001:
         return None  # the ILP's linear memory model and the evaluator disagree: trust the evaluator
-    return SearchResult(assignment=assign, candidate=cand, evaluation=ev, solve_time_s=sol.solve_time_s)
+    return SearchResult(assignment=assign, candidate=cand, evaluation=ev, solve_time_s=sol.solve_time_s,
+                        optimal=sol.status == "optimal")
 
 
 def _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned):
@@ -315,9 +330,9 @@ def _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned):
         from autoshard.errors import ConfigurationError
 
         return ConfigurationError(
-            f"no configuration of --space {','.join(sorted(space))} uses all {cluster.num_gpus} GPUs of {cluster} "
-            f"with global batch {global_batch}; widen --space (data parallelism: dp or zero) or use a global batch "
-            f"divisible by the data-parallel degree")
+            f"no configuration of space={','.join(sorted(space))} uses all {cluster.num_gpus} GPUs of {cluster} "
+            f"with global batch {global_batch}; widen space (data parallelism: dp or zero) or use a global batch "
+            f"divisible by the data-parallel degree", params=("space",))
     everything.sort(key=lambda c: c.memory_lb_bytes)
     best = math.inf
     for cand in everything[:8]:
@@ -332,4 +347,5 @@ def _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned):
     need = f"{best / 2**30:.1f} GiB" if math.isfinite(best) else "more than any configuration allows"
     return InfeasiblePlanError(
         f"no plan fits {cap / 2**30:.1f} GiB per GPU on {cluster}: the smallest plan needs {need}; raise "
-        "--memory-cap, add GPUs, lower --global-batch or widen --space", min_memory_gib=best / 2**30)
+        "memory_cap, add GPUs, lower global_batch or widen space", min_memory_gib=best / 2**30,
+        params=("memory_cap", "global_batch", "space"))
