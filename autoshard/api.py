@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from autoshard.capture import capture_model
+from autoshard.capture import capture_ref
 from autoshard.errors import ConfigurationError, require_positive
-from autoshard.models import load_model
 from autoshard.planner.estimate import HandConfig, estimate
 
 __all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph"]
@@ -40,14 +39,11 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     `allocator`: PyTorch's CUDA allocator mode, "expandable" (expandable_segments:True, as torchtitan and
     autoshard's runtime set it) or "caching" (the default; about 15% of per-step memory lost to fragmentation).
     """
-    if attention not in ATTENTION_CHOICES:
-        raise ConfigurationError(f"--attention {attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
+    attention = resolve_attention(model, attention)
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
               recompute=recompute, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
               schedule=schedule, zero=zero, fused_kernels=fused_kernels, tp_comm_overlap=tp_comm_overlap,
               allocator=allocator)
-    if attention == "auto":
-        attention = "flash" if _zoo_or_spec(model) and not _explicit_attn(model) else None
     return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
 
@@ -68,7 +64,7 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
     cfg = HandConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
                      sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero,
                      fused_kernels=fused_kernels, tp_comm_overlap=tp_comm_overlap, allocator=allocator)
-    graph = capture_model(load_model(model, seq=seq, attn=attn))
+    graph = capture_ref(model, seq=seq, attn=attn)
     plan, _ = estimate(graph, cluster, cfg)
     need = plan.prediction.memory.total_bytes
     if check_memory and need > cluster.device_memory_bytes:
@@ -81,17 +77,39 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
 
 
 
-def load_graph(model, *, example_inputs=None, seq: int | None = None):
-    """An OpGraph from a zoo name / spec / factory string, or an nn.Module with its example inputs."""
+def resolve_attention(model, attention: str = "auto") -> str | None:
+    """The attention implementation to build `model` with (None: the model's own). "auto" is flash for decoder
+    (gpt, llama) zoo and spec models that do not name theirs: causal FlashAttention-2 is what PyTorch SDPA runs
+    without a mask tensor (torchtitan, Megatron-Core, llm-foundry), and it is never slower nor larger than the
+    masked or eager kernels. A module or factory runs the attention its code calls: only "auto" applies."""
+    if attention not in ATTENTION_CHOICES:
+        raise ConfigurationError(f"attention={attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
+    if not _zoo_or_spec(model):
+        if attention != "auto":
+            raise ConfigurationError(f"attention={attention!r} applies to zoo and spec models; a module or factory "
+                                     "runs the attention its code calls: leave it at auto")
+        return None
+    if attention == "auto":
+        from autoshard.models.build import resolve_spec
+
+        causal = resolve_spec(model).family in ("gpt", "llama")  # flash is the causal kernel
+        return "flash" if causal and not _explicit_attn(model) else None
+    return attention
+
+
+def load_graph(model, *, example_inputs=None, seq: int | None = None, attention: str = "auto"):
+    """An OpGraph from a zoo name / spec / factory string, or an nn.Module with its example inputs.
+    `attention`: see `resolve_attention`."""
     from torch import nn
 
     from autoshard.capture import capture
 
+    attn = resolve_attention(model, attention)
     if isinstance(model, nn.Module):
         if example_inputs is None:
             raise ConfigurationError("planning an nn.Module needs example_inputs=(...) (one batch of its inputs)")
         return capture(model, example_inputs, name=type(model).__name__)
-    return capture_model(load_model(model, seq=seq))
+    return capture_ref(model, seq=seq, attn=attn)
 
 
 def _cap_bytes(cluster, memory_cap_gib: float | None) -> float:
@@ -109,32 +127,35 @@ def _default_global_batch(cluster, global_batch: int | None) -> int:
 
 
 def plan(model, cluster, *, example_inputs=None, global_batch: int | None = None, seq: int | None = None,
-         memory_cap: float | None = None, space: str | None = None, time_limit_s: float = 20.0, progress=None):
-    """Dry run: the fastest plan for `model` on `cluster` (no GPU needed). `memory_cap` in GiB per GPU."""
+         memory_cap: float | None = None, space: str | None = None, time_limit_s: float = 20.0, progress=None,
+         attention: str = "auto"):
+    """Dry run: the fastest plan for `model` on `cluster` (no GPU needed). `memory_cap` in GiB per GPU;
+    `attention` the kernel priced for zoo and spec models ("auto": flash; see `resolve_attention`)."""
     from autoshard.planner.planning import make_plan
     from autoshard.planner.search import parse_space
 
-    cluster = resolve_cluster(cluster)
-    graph = load_graph(model, example_inputs=example_inputs, seq=seq)
-    result, _ = make_plan(graph, cluster, global_batch=_default_global_batch(cluster, global_batch),
-                          space=parse_space(space), cap_bytes=_cap_bytes(cluster, memory_cap),
+    cluster = resolve_cluster(cluster)  # every argument checked before the capture
+    gb, cap, searched = _default_global_batch(cluster, global_batch), _cap_bytes(cluster, memory_cap), parse_space(space)
+    require_positive("time_limit_s", time_limit_s, integer=False, unit=" of seconds")
+    graph = load_graph(model, example_inputs=example_inputs, seq=seq, attention=attention)
+    result, _ = make_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
                           time_limit_s=time_limit_s, progress=progress)
     return result
 
 
 def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq: int | None = None,
                         memory_cap: float | None = None, space: str | None = None, time_limit_s: float = 20.0,
-                        progress=None):
+                        progress=None, attention: str = "auto"):
     """(Plan, SearchResult, baselines, graph, cluster) for the CLI."""
     from autoshard.planner.baselines import compute_baselines
     from autoshard.planner.planning import make_plan
     from autoshard.planner.search import parse_space
 
-    cluster = resolve_cluster(cluster)
-    graph = load_graph(model, seq=seq)
-    gb = _default_global_batch(cluster, global_batch)
-    cap = _cap_bytes(cluster, memory_cap)
-    the_plan, result = make_plan(graph, cluster, global_batch=gb, space=parse_space(space), cap_bytes=cap,
+    cluster = resolve_cluster(cluster)  # every argument checked before the capture
+    gb, cap, searched = _default_global_batch(cluster, global_batch), _cap_bytes(cluster, memory_cap), parse_space(space)
+    require_positive("time_limit_s", time_limit_s, integer=False, unit=" of seconds")
+    graph = load_graph(model, seq=seq, attention=attention)
+    the_plan, result = make_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
                                  time_limit_s=time_limit_s, progress=progress)
     baselines = compute_baselines(graph, cluster, global_batch=gb, cap_bytes=cap)
     return the_plan, result, baselines, graph, cluster

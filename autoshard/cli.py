@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -95,10 +96,9 @@ def _warnings(pred, cluster) -> list[str]:
 
 
 def _attention_kernel(plan) -> str:
-    kinds = {p.kind for p in plan.ops}
-    if "attention" in kinds:
-        return "flash/sdpa (fused kernel)"
-    return "eager (materialized scores)" if "softmax" in kinds else "none"
+    from autoshard.planner.contract import ATTENTION_KERNELS
+
+    return ATTENTION_KERNELS.get(plan.attention, plan.attention or "unknown")
 
 
 def _cmd_estimate(args) -> int:
@@ -151,11 +151,11 @@ def _cmd_plan(args) -> int:
     progress = (lambda msg: print(f"autoshard: {msg}", file=sys.stderr)) if not args.json else None
     plan, result, baselines, graph, cluster = plan_with_baselines(
         args.model, args.cluster, global_batch=args.global_batch, seq=args.seq, memory_cap=args.memory_cap,
-        space=args.space, time_limit_s=args.time_limit, progress=progress)
+        space=args.space, time_limit_s=args.time_limit, progress=progress, attention=args.attention)
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
             "mesh": plan.mesh.to_json(), "micro_batch": plan.micro_batch, "num_microbatches": plan.num_microbatches,
-            "recompute": plan.recompute, "pipeline": {"degree": plan.pipeline.degree,
+            "recompute": plan.recompute, "attention": plan.attention, "pipeline": {"degree": plan.pipeline.degree,
                                                       "schedule": plan.pipeline.schedule,
                                                       "virtual_stages": plan.pipeline.virtual_stages},
             "predicted": {**_pred_row(pred), **prediction_json(pred)}, "warnings": _warnings(pred, cluster),
@@ -188,6 +188,7 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
                                                if pipe.degree > 1 else ""),
              f"micro-batch      {batch_label(plan.micro_batch, plan.num_microbatches)}, recompute {plan.recompute}"
              + (", layered gradient accumulation" if pipe.layered else ""),
+             f"attention        {_attention_kernel(plan)}",
              *_prediction_text(pred, cluster), "", "strategies per operator:", *("  " + t for t in table), "",
              f"{'':14s}{'tokens/s':>14s}{'MFU':>8s}{'GiB/GPU':>9s}  configuration",
              f"{'plan':14s}{pred.tokens_per_s:14,.0f}{pred.mfu * 100:7.1f}%{pred.memory.total_bytes / 2**30:9.1f}"]
@@ -368,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="capture a model and print its operator graph summary")
     i.add_argument("model", help="zoo name, spec string (gpt:layers=..,hidden=..,heads=..,seq=..) or module:factory")
+    i.add_argument("--no-cache", action="store_true",
+                   help="capture the model again instead of reading the graph cache (~/.cache/autoshard)")
     i.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     i.add_argument("--batch", type=int, default=1, help="batch size the per-sample figures are scaled to")
     i.add_argument("--json", action="store_true")
@@ -375,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("estimate", help="predict a hand-given Megatron/DeepSpeed-style configuration")
     e.add_argument("model")
+    e.add_argument("--no-cache", action="store_true",
+                   help="capture the model again instead of reading the graph cache (~/.cache/autoshard)")
     e.add_argument("--cluster", required=True, help="NODESxGPUSxGPU[@NETWORK] or a cluster YAML file")
     e.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron 1D)")
     e.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
@@ -407,11 +412,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="dry run: the fastest plan for MODEL on a cluster, with baselines")
     pl.add_argument("model")
+    pl.add_argument("--no-cache", action="store_true",
+                    help="capture the model again instead of reading the graph cache (~/.cache/autoshard)")
     pl.add_argument("--cluster", required=True, help="NODESxGPUSxGPU[@NETWORK] or a cluster YAML file")
     pl.add_argument("--global-batch", type=int, default=None, help="samples per iteration (default 4 per GPU)")
     pl.add_argument("--seq", type=int, default=None, help=_SEQ_HELP)
     pl.add_argument("--memory-cap", type=float, default=None, help="GiB per GPU (default: the GPU's memory)")
     pl.add_argument("--space", default=None, help="families searched: dp,zero,tp1d,tp2d,tp3d,pp (default all)")
+    pl.add_argument("--attention", choices=("auto", "eager", "flash", "sdpa"), default="auto",
+                    help="attention kernel priced for zoo and spec models (default auto: flash for decoders, "
+                         "the model's own otherwise)")
     pl.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")
     pl.add_argument("-o", "--output", default=None, help="write the plan as versioned JSON")
     pl.add_argument("--plot", default=None, help="write a picture of the plan (PNG)")
@@ -457,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
                         stream=sys.stderr)
+    if getattr(args, "no_cache", False):
+        os.environ["AUTOSHARD_NO_CACHE"] = "1"  # read by autoshard.capture.disk_cache
     try:
         _check_args(args)
         return args.func(args)

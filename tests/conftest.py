@@ -1,9 +1,12 @@
 import logging
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# captured graphs are cached per test session, never in the user's ~/.cache (autoshard/capture/disk_cache.py)
+os.environ.setdefault("AUTOSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="autoshard-test-graphs-"))
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 

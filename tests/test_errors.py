@@ -168,8 +168,7 @@ def no_capture(monkeypatch):
     def captured(*args, **kwargs):
         pytest.fail("the model was loaded or captured before the arguments were checked")
 
-    for name in ("load_model", "capture_model"):
-        monkeypatch.setattr(autoshard.api, name, captured)
+    monkeypatch.setattr(autoshard.api, "capture_ref", captured)
 
 
 @pytest.mark.parametrize("argv,fragment", EARLY_CASES,

@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from autoshard.capture import disk_cache
 from autoshard.capture.blocks import find_blocks
 from autoshard.capture.coarsen import coarsen
 from autoshard.capture.expand import expand_blocks
@@ -17,7 +18,7 @@ from autoshard.capture.export import export_model, positional_inputs
 from autoshard.capture.ir import BlockGroup, Op, OpGraph, OpKind, ParamMeta, TensorMeta
 from autoshard.models import LoadedModel, ModelSpec, build_module
 
-__all__ = ["capture", "capture_model", "OpGraph", "Op", "OpKind", "TensorMeta", "ParamMeta", "BlockGroup"]
+__all__ = ["capture", "capture_model", "capture_ref", "OpGraph", "Op", "OpKind", "TensorMeta", "ParamMeta", "BlockGroup"]
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,31 @@ def _seq_len(ops: tuple[Op, ...]) -> int | None:
     return None
 
 
-def capture_model(loaded: LoadedModel) -> OpGraph:
+def capture_ref(ref, *, seq: int | None = None, attn: str | None = None) -> OpGraph:
+    """The graph of a zoo name, spec string or `module:factory`; a spec model found in the graph cache is not
+    even built (building a 96-layer Hugging Face model on the meta device takes seconds)."""
+    from autoshard.models import load_model
+    from autoshard.models.build import FAMILIES, spec_and_name
+
+    head = ref.split(":", 1)[0].strip().lower() if isinstance(ref, str) else ""
+    if isinstance(ref, str) and (":" not in ref or head in FAMILIES) and disk_cache.cache_enabled():
+        spec, name = spec_and_name(ref, seq=seq, attn=attn)
+        hit = disk_cache.load_cached(disk_cache.cache_key(spec, name))
+        if hit is not None:
+            return hit
+    return capture_model(load_model(ref, seq=seq, attn=attn))
+
+
+def capture_model(loaded: LoadedModel, *, use_cache: bool = True) -> OpGraph:
     """Capture a zoo / spec / factory model. Spec models are traced with 2 blocks and expanded (same graph,
-    a fraction of the time); others are traced whole. A spec with attn=flash gets causal FlashAttention."""
+    a fraction of the time); others are traced whole. A spec with attn=flash gets causal FlashAttention.
+    Spec models come from the on-disk graph cache when they were captured before (`disk_cache`)."""
+    key = None
+    if loaded.spec is not None and use_cache and disk_cache.cache_enabled():
+        key = disk_cache.cache_key(loaded.spec, loaded.name)
+        hit = disk_cache.load_cached(key)
+        if hit is not None:
+            return hit
     graph = None
     if loaded.spec is not None and loaded.spec.layers > 2:
         graph = _capture_spec(loaded.spec)
@@ -100,6 +123,8 @@ def capture_model(loaded: LoadedModel) -> OpGraph:
         graph = capture(loaded.module, loaded.example_inputs(2), name=loaded.name)
     if loaded.spec is not None and loaded.spec.attn == "flash":
         graph = _with_attention_kernel(graph, "flash")
+    if key is not None:
+        disk_cache.store(key, graph)
     return graph
 
 

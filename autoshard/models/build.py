@@ -97,6 +97,23 @@ def resolve_spec(ref: str) -> ModelSpec:
                          "gpt:layers=24,hidden=2048,heads=16,seq=2048 or package.module:factory")
 
 
+def spec_and_name(ref: str, *, seq: int | None = None, attn: str | None = None) -> tuple[ModelSpec, str]:
+    """The ModelSpec of a zoo name or spec string with `seq` and `attn` applied, and the name its graph and
+    plans carry; no module is built."""
+    spec = resolve_spec(ref)
+    if seq is not None:
+        if seq <= 0:
+            raise ModelSpecError(f"seq must be a positive integer, got {seq}", params=("seq",))
+        if spec.family in ("vit", "mlp"):
+            raise ModelSpecError(f"{spec.name} has no sequence length; drop seq", params=("seq",))
+        spec = replace(spec, seq=seq)
+    name = spec.name if seq is None else f"{spec.name}@seq{seq}"
+    if attn is not None and attn != spec.attn:
+        spec = replace(spec, attn=attn)  # validated by ModelSpec
+        name = spec_string(spec)  # a name that rebuilds this model (measure rebuilds a plan's model by name)
+    return spec, name
+
+
 def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | None = "meta",
                attn: str | None = None) -> LoadedModel:
     """Build `ref` (zoo name, spec string, `module:factory` or an nn.Module) on `device`; `attn` overrides the
@@ -114,17 +131,7 @@ def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | No
             loaded = replace(loaded, name=f"{loaded.name}@seq{seq}", seq_override=seq)
             loaded.example_inputs(2)  # a factory whose inputs are not token ids says so now
         return loaded
-    spec = resolve_spec(ref)
-    if seq is not None:
-        if seq <= 0:
-            raise ModelSpecError(f"seq must be a positive integer, got {seq}", params=("seq",))
-        if spec.family in ("vit", "mlp"):
-            raise ModelSpecError(f"{spec.name} has no sequence length; drop seq", params=("seq",))
-        spec = replace(spec, seq=seq)
-    name = spec.name if seq is None else f"{spec.name}@seq{seq}"
-    if attn is not None and attn != spec.attn:
-        spec = replace(spec, attn=attn)  # validated by ModelSpec
-        name = spec_string(spec)  # a name that rebuilds this model (measure rebuilds a plan's model by name)
+    spec, name = spec_and_name(ref, seq=seq, attn=attn)
     return LoadedModel(name=name, family=spec.family,
                        module=build_module(spec, device=device), spec=spec)
 

@@ -113,6 +113,8 @@ def memory_lower_bound_bytes(graph: OpGraph, precision: Precision, *, tp_degree:
         states = local * per
     if recompute == "full":
         acts = t.block_input_elems
+    elif recompute == "selective" and t.saved_score_elems == 0:
+        acts = t.block_input_elems  # op-level policy (fused attention): keeps at least what full recompute keeps
     elif recompute == "selective":
         acts = t.saved_elems - t.saved_score_elems
     else:

@@ -29,7 +29,7 @@ import math
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.planner.cache import graph_cache
 
-__all__ = ["spmd_blocker", "expert_ops", "attention_head_counts", "projection_head_slices", "largest_head_divisor",
+__all__ = ["attention_kernel", "ATTENTION_KERNELS", "spmd_blocker", "expert_ops", "attention_head_counts", "projection_head_slices", "largest_head_divisor",
            "pipeline_blocker", "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
 
 # autoshard's own test models whose chunk forwards runtime/pipeline_split.py describes by hand
@@ -100,6 +100,23 @@ def projection_head_slices(graph: OpGraph) -> dict[str, int]:
             if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and op.params and op.layer is not None and op.gemm
             and op.gemm[1] % hd == 0}
     return cache["head_slices"]
+
+
+ATTENTION_KERNELS = {
+    "flash": "flash (fused kernel, causal, no mask)",
+    "masked": "sdpa (fused kernel with a mask)",
+    "eager": "eager (materialized scores and softmax)",
+    "none": "none (no attention)",
+}
+
+
+def attention_kernel(graph: OpGraph) -> str:
+    """The attention kernel the graph was priced with: "flash" (fused, causal without a mask tensor), "masked"
+    (fused, reading a mask), "eager" (scores materialized, a softmax kernel) or "none"."""
+    variants = {op.variant or "flash" for op in graph.ops if op.kind is OpKind.ATTENTION}
+    if variants:
+        return "masked" if "masked" in variants else "flash"
+    return "eager" if any(op.kind is OpKind.SOFTMAX for op in graph.ops) else "none"
 
 
 def largest_head_divisor(graph: OpGraph) -> int:

@@ -9,7 +9,12 @@ from autoshard.cost_models.memory import ALLOCATORS
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.planner.bounds import block_costs
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import attention_head_counts, pipeline_blocker, projection_head_slices
+from autoshard.planner.contract import (
+    attention_head_counts,
+    attention_kernel,
+    pipeline_blocker,
+    projection_head_slices,
+)
 from autoshard.planner.evaluate import Evaluation, evaluate
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.manual import even_stage_layers, megatron_assignment
@@ -127,6 +132,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     plan = Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
                 global_batch=cfg.global_batch, micro_batch=cfg.micro_batch, seq=graph.seq_len,
                 recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",),
+                attention=attention_kernel(graph),
                 ops=tuple(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer,
                                  inputs=op.inputs,
                                  strategy=assign[op.name], time_s=ev.op_costs[op.name].time_s,

@@ -35,6 +35,7 @@ from autoshard.planner.evaluate import (
     inflight_microbatches,
     op_sites,
     pipeline_fill,
+    selective_keeps,
 )
 from autoshard.planner.ilp import build_problem, expand_assignment, relaxation_bound, solve
 from autoshard.planner.layouts import MeshSpec
@@ -143,7 +144,7 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
     """(candidates that may fit, number pruned by the memory bound), sorted by time bound."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
     prec = default_precision(cluster)
-    recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) else [])
+    recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) or selective_keeps(graph) else [])
     max_zero = 3 if "zero" in space else 0
     spmd = spmd_blocker(graph) is None
     heads = largest_head_divisor(graph)
@@ -182,7 +183,9 @@ def _micro_batches(global_batch: int, dp: int, batch_shard: int) -> list[int]:
     if global_batch % dp:
         return []
     local = global_batch // dp
-    return [b for b in _divisors(local) if b % batch_shard == 0 and ((b & (b - 1)) == 0 or b == local)][:8]
+    # every divisor up to 8 (a hand configuration's usual micro-batches, 3 and 6 included), powers of two above
+    # it, and the whole local batch
+    return [b for b in _divisors(local) if b % batch_shard == 0 and (b <= 8 or (b & (b - 1)) == 0 or b == local)]
 
 
 def _has_scores(graph: OpGraph) -> bool:
