@@ -11,7 +11,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,14 +31,13 @@ CASES = [  # (model, cluster, global batch)
 
 
 def bench(model: str, cluster: str, batch: int) -> dict:
-    from autoshard.capture import capture_model
+    from autoshard.api import load_graph
     from autoshard.hardware_profiles import ClusterSpec
-    from autoshard.models import load_model
     from autoshard.planner.ilp import build_problem
     from autoshard.planner.search import SPACE, _prepare, search
 
     t0 = time.perf_counter()
-    graph = capture_model(load_model(model))
+    graph = load_graph(model)  # what `autoshard plan` searches (flash attention for decoders), from the cache
     t_capture = time.perf_counter() - t0
     spec = ClusterSpec.parse(cluster)
     t1 = time.perf_counter()
@@ -57,9 +59,38 @@ def bench(model: str, cluster: str, batch: int) -> dict:
             "tokens_per_s": round(result.evaluation.prediction.tokens_per_s)}
 
 
+ESTIMATE = ["estimate", "gpt3-175b", "--cluster", "128x8xA100-80GB", "--global-batch", "1536", "--tp", "8", "--pp",
+            "8", "--micro-batch", "1", "--recompute", "selective", "--sequence-parallel", "--virtual-stages", "3"]
+GOALS = {"warm_estimate_s": 2.0, "search_gpt3_175b_1024_s": 5.0}  # issue 17
+
+
+def cli_seconds(args: list[str], repeat: int, env: dict) -> list[float]:
+    """Wall time of whole `autoshard` commands (interpreter start, imports, graph, pricing, printing)."""
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "autoshard", *args], check=True, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def estimate_times(repeat: int) -> dict:
+    """`autoshard estimate` of GPT-3 175B: cold (empty graph cache) and warm (median of `repeat`)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "AUTOSHARD_CACHE_DIR": cache}
+        cold = cli_seconds(ESTIMATE, 1, env)[0]
+        warm = cli_seconds(ESTIMATE, repeat, env)
+    return {"command": "autoshard " + " ".join(ESTIMATE), "cold_s": round(cold, 2),
+            "warm_s": [round(x, 2) for x in warm], "warm_median_s": round(statistics.median(warm), 2)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.parse_args(argv)
+    ap.add_argument("--repeat", type=int, default=5, help="warm estimate runs (median reported)")
+    args = ap.parse_args(argv)
+    est = estimate_times(args.repeat)
+    print(f"estimate: cold {est['cold_s']:.2f} s, warm median {est['warm_median_s']:.2f} s {est['warm_s']}")
     rows = []
     for case in CASES:
         row = bench(*case)
@@ -73,13 +104,23 @@ def main(argv=None) -> int:
           "baselines; ILP size of the winning configuration.", "",
           "| model | GPUs | ops | search s | ILPs solved / candidates | binaries | variables | constraints | plan |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    search_175b = next(r["search_s"] for r in rows if r["model"] == "gpt3-175b" and r["gpus"] == 1024)
     for r in rows:
         md.append(f"| {r['model']} | {r['gpus']} | {r['ops']} | {r['search_s']:.2f} | {r['ilps_solved']} / "
                   f"{r['candidates']} | {r['ilp_binaries']} | {r['ilp_variables']} | {r['ilp_constraints']} | "
                   f"{r['plan']} |")
+    md += ["", "## Goals (issue 17)", "",
+           "| what | goal | measured |", "|---|---:|---:|",
+           f"| warm `autoshard estimate` (graph from the cache; median of {args.repeat}) | "
+           f"< {GOALS['warm_estimate_s']:.0f} s | {est['warm_median_s']:.2f} s |",
+           f"| full search, gpt3-175b on 128x8xA100-80GB | < {GOALS['search_gpt3_175b_1024_s']:.0f} s | "
+           f"{search_175b:.2f} s |", "",
+           f"Estimate command: `{est['command']}`; cold (empty cache: builds and captures the model) "
+           f"{est['cold_s']:.2f} s, warm runs {', '.join(f'{x:.2f}' for x in est['warm_s'])} s."]
     (ROOT / "benchmarks").mkdir(exist_ok=True)
     (ROOT / "benchmarks" / "planner_speed.md").write_text("\n".join(md) + "\n")
-    (ROOT / "benchmarks" / "planner_speed.json").write_text(json.dumps({"machine": machine, "rows": rows},
+    (ROOT / "benchmarks" / "planner_speed.json").write_text(json.dumps({"machine": machine, "rows": rows,
+                                                                        "estimate": est, "goals": GOALS},
                                                                        indent=1) + "\n")
     return 0
 

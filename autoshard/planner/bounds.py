@@ -37,6 +37,8 @@ class GraphTotals:
     io_elems: float  # memory-bound elements read + written (x activation bytes later)
     io_elems_block: float
     score_fwd: float  # forward FLOPs of ops that selective recompute repeats
+    sac_gemm_fwd: float  # op-level selective recompute (fused attention): GEMM FLOPs of the ops it repeats
+    sac_io_block: float  # ... and memory-bound elements of the ops it repeats
     params: float
     saved_elems: float  # activation elements kept (bytes at the precision)
     saved_score_elems: float
@@ -44,16 +46,21 @@ class GraphTotals:
 
 
 def _totals(graph: OpGraph) -> GraphTotals:
+    from autoshard.planner.evaluate import selective_keeps  # evaluate sits above the bounds
+
     g = dict.fromkeys(GraphTotals.__dataclass_fields__, 0.0)
     seq = graph.seq_len
+    keeps = selective_keeps(graph)
     for op in graph.ops:
         if op.kind not in PLANNED_KINDS:
             continue
         blk = op.layer is not None
+        repeated = blk and keeps.get(op.name) is False  # op-level selective recompute runs it again
         if op.kind in _GEMM:
             g["gemm_fwd"] += op.fwd_flops
             g["gemm_bwd"] += op.bwd_flops
             g["gemm_fwd_block"] += op.fwd_flops if blk else 0.0
+            g["sac_gemm_fwd"] += op.fwd_flops if repeated else 0.0
         elif op.kind is OpKind.ATTENTION:
             g["attn_fwd"] += op.fwd_flops
             g["attn_fwd_block"] += op.fwd_flops if blk else 0.0
@@ -61,6 +68,7 @@ def _totals(graph: OpGraph) -> GraphTotals:
             io = sum(m.numel for m in (*op.input_meta, op.output_meta) if m.batch_dims)
             g["io_elems"] += io
             g["io_elems_block"] += io if blk else 0.0
+            g["sac_io_block"] += io if repeated else 0.0
         scored = False
         for t in op.saved:  # non-float tensors (1-byte masks) at a quarter element: never above their bytes
             w = t.numel if t.dtype.startswith(("float", "bfloat")) else t.numel / 4
@@ -91,7 +99,8 @@ def time_lower_bound_s(graph: OpGraph, gpu, precision: Precision, *, tp_degree: 
     attn = t.attn_fwd * (1 + FLASH_BACKWARD_FLOPS_FACTOR) + (t.attn_fwd_block if recompute == "full" else 0.0)
     io = t.io_elems * 3 + (t.io_elems_block if recompute == "full" else 0.0)
     if recompute == "selective":
-        gemm += t.score_fwd
+        gemm += t.score_fwd + t.sac_gemm_fwd
+        io += t.sac_io_block
     peak = gpu.peak_tflops * 1e12 * gpu.max_gemm_efficiency
     attn_peak = gpu.peak_tflops * 1e12 * max(attention_efficiency(gpu, k) for k in ("flash", "masked"))
     per_sample = gemm / peak + attn / attn_peak + \
