@@ -164,7 +164,8 @@ def _cmd_plan(args) -> int:
             "baseline_configs": {k: b.config or b.note for k, b in baselines.items()},
             "solve_time_s": result.solve_time_s,
             "search": {"considered": result.considered, "solved": result.solved,
-                       "pruned_by_memory": result.pruned_memory, "optimal": result.optimal}}
+                       "pruned_by_memory": result.pruned_memory, "optimal": result.optimal,
+                       "solver": plan.solver}}
     if args.plot:  # the picture first: a plot that fails leaves no plan file behind
         from autoshard.plotting import plot_plan
 
@@ -201,7 +202,7 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
             lines.append(f"{name:14s}{p.tokens_per_s:14,.0f}{p.mfu * 100:7.1f}%{p.memory.total_bytes / 2**30:9.1f}"
                          f"  {b.config}")
     lines.append(f"\nsearch           {result.solve_time_s:.1f} s: {result.solved} ILPs solved of {result.considered} "
-                 f"candidates ({result.pruned_memory} pruned by the memory bound)"
+                 f"candidates ({result.pruned_memory} pruned by the memory bound; {plan.solver})"
                  + ("" if result.optimal else "; the best found when the time limit hit, not proven optimal"))
     if args.output:
         lines.append(f"plan written to  {args.output}")

@@ -381,6 +381,12 @@ def _solver_output_to_stderr():
         os.close(saved)
 
 
+def solver_name() -> str:
+    """The MILP solver plans are made with: HiGHS when highspy is installed (a dependency), else CBC. The two
+    may pick different strategies that tie on predicted time; the plan file names the one used."""
+    return "HiGHS" if pulp.HiGHS().available() else "CBC"
+
+
 def _solver(time_limit_s: float):
     if pulp.HiGHS().available():
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1)

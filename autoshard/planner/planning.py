@@ -8,6 +8,7 @@ from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext
 from autoshard.planner.contract import attention_kernel, projection_head_slices
 from autoshard.planner.evaluate import op_sites, sink_layout
+from autoshard.planner.ilp import solver_name
 from autoshard.planner.opcost import edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.plan import OpPlan, OpStrategy, Plan
 from autoshard.planner.search import SearchResult, allowed, search
@@ -84,7 +85,8 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=cand.mesh,
                 global_batch=global_batch, micro_batch=cand.micro_batch, seq=graph.seq_len,
                 recompute=cand.recompute, pipeline=cand.pipe, ops=tuple(ops), prediction=result.evaluation.prediction,
-                space=tuple(sorted(space)), solve_time_s=result.solve_time_s, attention=attention_kernel(graph))
+                space=tuple(sorted(space)), solve_time_s=result.solve_time_s, attention=attention_kernel(graph),
+                solver=solver_name())
 
 
 def _ctx(graph, cluster, cand) -> PlanContext:
