@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from autoshard.capture import capture_ref
 from autoshard.errors import ConfigurationError, require_positive
+from autoshard.models.names import is_zoo_or_spec, resolve_spec
 from autoshard.planner.estimate import HandConfig, estimate
 
 __all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph"]
@@ -47,11 +47,17 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
 
-def _zoo_or_spec(model) -> bool:
-    if not isinstance(model, str):
-        return False
-    head = model.split(":", 1)[0].strip().lower()
-    return ":" not in model or head in ("gpt", "llama", "bert", "vit", "mlp")
+def capture_ref(ref, *, seq: int | None = None, attn: str | None = None):
+    """The graph of a zoo name, spec string or `module:factory`: from the graph cache without importing torch
+    when it is there, else captured (`autoshard.capture.capture_ref`)."""
+    from autoshard.capture.disk_cache import cached_graph
+
+    hit = cached_graph(ref, seq=seq, attn=attn)
+    if hit is not None:
+        return hit
+    from autoshard.capture import trace
+
+    return trace.capture_ref(ref, seq=seq, attn=attn)
 
 
 def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
@@ -84,14 +90,12 @@ def resolve_attention(model, attention: str = "auto") -> str | None:
     masked or eager kernels. A module or factory runs the attention its code calls: only "auto" applies."""
     if attention not in ATTENTION_CHOICES:
         raise ConfigurationError(f"attention={attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
-    if not _zoo_or_spec(model):
+    if not is_zoo_or_spec(model):
         if attention != "auto":
             raise ConfigurationError(f"attention={attention!r} applies to zoo and spec models; a module or factory "
                                      "runs the attention its code calls: leave it at auto")
         return None
     if attention == "auto":
-        from autoshard.models.build import resolve_spec
-
         causal = resolve_spec(model).family in ("gpt", "llama")  # flash is the causal kernel
         return "flash" if causal and not _explicit_attn(model) else None
     return attention
@@ -100,11 +104,13 @@ def resolve_attention(model, attention: str = "auto") -> str | None:
 def load_graph(model, *, example_inputs=None, seq: int | None = None, attention: str = "auto"):
     """An OpGraph from a zoo name / spec / factory string, or an nn.Module with its example inputs.
     `attention`: see `resolve_attention`."""
+    attn = resolve_attention(model, attention)
+    if isinstance(model, str):
+        return capture_ref(model, seq=seq, attn=attn)
     from torch import nn
 
     from autoshard.capture import capture
 
-    attn = resolve_attention(model, attention)
     if isinstance(model, nn.Module):
         if example_inputs is None:
             raise ConfigurationError("planning an nn.Module needs example_inputs=(...) (one batch of its inputs)")
@@ -157,5 +163,7 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
     graph = load_graph(model, seq=seq, attention=attention)
     the_plan, result = make_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
                                  time_limit_s=time_limit_s, progress=progress)
+    if progress is not None:
+        progress("pricing the baselines")
     baselines = compute_baselines(graph, cluster, global_batch=gb, cap_bytes=cap)
     return the_plan, result, baselines, graph, cluster

@@ -43,8 +43,10 @@ def _cmd_inspect(args) -> int:
     from autoshard.reports import inspect_report
 
     t0 = time.perf_counter()
+    args.progress(f"capturing {args.model}")
     loaded = load_model(args.model, seq=args.seq)
     graph = capture_model(loaded)
+    args.progress.close()
     report = inspect_report(graph, batch=args.batch, capture_s=time.perf_counter() - t0)
     text = [f"model            {report['model']}",
             f"parameters       {report['params']:,} ({report['params'] / 1e9:.3f} B)",
@@ -104,12 +106,14 @@ def _attention_kernel(plan) -> str:
 def _cmd_estimate(args) -> int:
     from autoshard.api import estimate_config
 
+    args.progress(f"loading the graph of {args.model}")
     plan, cluster = estimate_config(
         args.model, args.cluster, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
         global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
         zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels,
         tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator)
+    args.progress.close()
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
             "pipeline": {"degree": plan.pipeline.degree, "schedule": plan.pipeline.schedule,
@@ -148,10 +152,11 @@ def _cmd_plan(args) -> int:
     from autoshard.api import plan_with_baselines
     from autoshard.planner.explain import block_table, explain_groups, explain_rows
 
-    progress = (lambda msg: print(f"autoshard: {msg}", file=sys.stderr)) if not args.json else None
+    args.progress(f"loading the graph of {args.model}")
     plan, result, baselines, graph, cluster = plan_with_baselines(
         args.model, args.cluster, global_batch=args.global_batch, seq=args.seq, memory_cap=args.memory_cap,
-        space=args.space, time_limit_s=args.time_limit, progress=progress, attention=args.attention)
+        space=args.space, time_limit_s=args.time_limit, progress=args.progress, attention=args.attention)
+    args.progress.close()
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
             "mesh": plan.mesh.to_json(), "micro_batch": plan.micro_batch, "num_microbatches": plan.num_microbatches,
@@ -374,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capture the model again instead of reading the graph cache (~/.cache/autoshard)")
     i.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     i.add_argument("--batch", type=int, default=1, help="batch size the per-sample figures are scaled to")
+    i.add_argument("--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_inspect)
 
@@ -408,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "autoshard's runtime run) or caching (PyTorch's default: ~15%% of per-step memory "
                         "fragmented, GMLake)")
     e.add_argument("-o", "--output", default=None, help="write the configuration as a plan file (for measure)")
+    e.add_argument("--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_estimate)
 
@@ -426,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")
     pl.add_argument("-o", "--output", default=None, help="write the plan as versioned JSON")
     pl.add_argument("--plot", default=None, help="write a picture of the plan (PNG)")
+    pl.add_argument("--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_cmd_plan)
 
@@ -444,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("-o", "--output", required=True, help="the cluster YAML to write")
     pr.add_argument("--quick", action="store_true", help="fewer shapes and sizes (under a minute on CPU ranks)")
     pr.add_argument("--cpu", action="store_true", help="profile CPU ranks (gloo) even if CUDA is available")
-    pr.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    pr.add_argument("--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=_cmd_profile)
 
@@ -454,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     ms.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     ms.add_argument("--cluster", default=None, help="cluster of this job (default: the plan's)")
+    ms.add_argument("--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
     ms.add_argument("--json", action="store_true")
     ms.set_defaults(func=_cmd_measure)
 
@@ -470,15 +479,23 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     if getattr(args, "no_cache", False):
         os.environ["AUTOSHARD_NO_CACHE"] = "1"  # read by autoshard.capture.disk_cache
+    from autoshard.progress import Progress
+
+    # progress on stderr while the command runs (capture, search, profile, measure): a terminal only
+    args.progress = Progress(enabled=not (getattr(args, "json", False) or getattr(args, "quiet", False)))
     try:
         _check_args(args)
         return args.func(args)
     except AutoshardError as exc:
+        args.progress.close()
         print(f"autoshard: error: {_cli_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        args.progress.close()
         print("autoshard: interrupted", file=sys.stderr)
         return 130
+    finally:
+        args.progress.close()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Kept apart from cli.py so that `autoshard --help` and the planning commands neve
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from autoshard.errors import ConfigurationError, RuntimeSetupError
@@ -22,18 +21,6 @@ def require_torchrun(command: str) -> None:
                                 "the plan's mesh)")
 
 
-def _progress_printer(rank0: bool, enabled: bool, label: str):
-    if not (rank0 and enabled and sys.stderr.isatty()):
-        return None
-
-    def show(done: int, total: int) -> None:
-        bar = "#" * int(30 * done / total)
-        end = "\n" if done == total else ""
-        print(f"\r{label} [{bar:30s}] {done}/{total}", end=end, file=sys.stderr, flush=True)
-
-    return show
-
-
 def measure_command(args, emit) -> int:
     require_torchrun("measure")
     from autoshard.planner.plan import Plan
@@ -43,7 +30,8 @@ def measure_command(args, emit) -> int:
     plan = Plan.load(args.plan)
     rank0 = os.environ.get("RANK") == "0"
     result = measure_plan(plan, cluster=args.cluster, steps=args.steps, warmup=args.warmup,
-                          progress=_progress_printer(rank0, not args.json, "measuring"))
+                          progress=args.progress.steps("measuring steps") if rank0 else None)
+    args.progress.close()
     if rank0:
         emit(args, result.to_json(), "\n".join(measure_text(result)))
     shutdown_distributed()
@@ -86,10 +74,8 @@ def profile_command(args, emit) -> int:
 
     init_distributed(device_type="cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     rank0 = global_rank() == 0
-    show = rank0 and not args.json and not args.quiet
-    data = profile_cluster(quick=args.quick,
-                           progress=(lambda msg: print(f"autoshard profile: {msg}", file=sys.stderr, flush=True))
-                           if show else None)
+    data = profile_cluster(quick=args.quick, progress=args.progress if rank0 and args.progress.enabled else None)
+    args.progress.close()
     if rank0:
         header = ("# Measured by `autoshard profile`: a cluster file for --cluster (this cluster) or\n"
                   "# --cluster NODESxGPUS@<this file> (the same GPUs and links, another size). Re-run it after\n"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import autoshard.capture as capture_pkg
+import autoshard.capture.trace as capture_pkg
 from autoshard.capture import capture_model, disk_cache
 from autoshard.models import load_model
 
@@ -48,3 +48,19 @@ def test_no_cache_captures_again_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOSHARD_NO_CACHE", "1")
     capture_model(load_model(SPEC))
     assert not list(tmp_path.iterdir())
+
+
+def test_an_estimate_whose_graph_is_cached_never_imports_torch(tmp_path):
+    # the cache's point is a fast what-if: importing torch alone takes about a second
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AUTOSHARD_CACHE_DIR": str(tmp_path)}
+    argv = ["estimate", SPEC, "--cluster", "1x8xA100-80GB", "--global-batch", "16", "--tp", "2", "--json"]
+    subprocess.run([sys.executable, "-m", "autoshard", *argv], env=env, check=True, capture_output=True, timeout=300)
+    blocked = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+               f"from autoshard.cli import main; sys.exit(main({argv!r}))")
+    run = subprocess.run([sys.executable, "-c", blocked], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert '"tokens_per_s"' in run.stdout

@@ -6,12 +6,13 @@ import random
 
 import pytest
 
-from autoshard.capture import capture_model
+from autoshard.api import load_graph
 from autoshard.hardware_profiles import ClusterSpec
-from autoshard.models import load_model
 from autoshard.planner.bounds import knapsack_lp_min
-from autoshard.planner.candidate_bound import knapsack_bound_s
+from autoshard.planner.candidate_bound import compute_bound_s, knapsack_bound_s
+from autoshard.planner.evaluate import op_sites
 from autoshard.planner.ilp import build_problem, solve
+from autoshard.planner.opcost import op_cost, repeats_forward
 from autoshard.planner.search import SPACE, _prepare, enumerate_candidates
 
 
@@ -42,12 +43,16 @@ def test_knapsack_relaxation_never_exceeds_the_best_integer_choice():
         assert relaxed <= exact + 1e-9  # (both +inf when even the lightest options do not fit)
 
 
-@pytest.mark.parametrize("model, cluster, batch, cap_gib", [
-    ("gpt2-medium", "2x8xA100-80GB", 64, 80),
-    ("gpt2-medium", "1x8xA100-40GB", 16, 6),  # tight: the memory row binds
+_LLAMA_FLASH = "llama:layers=4,hidden=1024,heads=16,kv_heads=4,ffn=2816,seq=2048,vocab=32000"
+
+
+@pytest.mark.parametrize("model, attention, cluster, batch, cap_gib", [
+    ("gpt2-medium", "eager", "2x8xA100-80GB", 64, 80),
+    ("gpt2-medium", "eager", "1x8xA100-40GB", 16, 6),  # tight: the memory row binds
+    (_LLAMA_FLASH, "flash", "2x8xH100-80GB", 32, 12),  # op-level selective recompute, ZeRO overlap rows
 ])
-def test_candidate_bound_never_exceeds_the_ilp_optimum(model, cluster, batch, cap_gib):
-    graph = capture_model(load_model(model))
+def test_candidate_bounds_never_exceed_the_ilp_optimum(model, attention, cluster, batch, cap_gib):
+    graph = load_graph(model, attention=attention)
     spec = ClusterSpec.parse(cluster)
     cap = cap_gib * 2**30
     space = frozenset(SPACE)
@@ -61,9 +66,33 @@ def test_candidate_bound_never_exceeds_the_ilp_optimum(model, cluster, batch, ca
         problem = build_problem(graph, prep.ctx, cand.pipe, prep.strategies, cap_bytes=cap, costs=prep.costs)
         sol = solve(problem, time_limit_s=20.0)
         bound = knapsack_bound_s(graph, cand, prep, cap, cache)
+        cheap = compute_bound_s(graph, cand, prep.ctx, prep.strategies, cache)
         if sol.status == "infeasible":
             continue
         assert sol.status == "optimal"
-        assert bound <= sol.objective * (1 + 1e-6), (str(cand.mesh), cand.micro_batch, cand.pipe)
+        where = (str(cand.mesh), cand.micro_batch, cand.recompute, cand.pipe)
+        assert bound <= sol.objective * (1 + 1e-6), where
+        assert cheap <= sol.objective * (1 + 1e-6), where
         checked += 1
     assert checked >= 5
+
+
+@pytest.mark.parametrize("attention", ["eager", "flash"])
+def test_the_recompute_predicate_names_exactly_the_ops_op_cost_recomputes(attention):
+    # compute_bound_s counts a forward again where repeats_forward says so; op_cost is the truth
+    graph = load_graph(_LLAMA_FLASH, attention=attention)
+    spec = ClusterSpec.parse("1x8xH100-80GB")
+    cands, _ = enumerate_candidates(graph, spec, global_batch=8, space=frozenset(SPACE), cap_bytes=math.inf)
+    sites = op_sites(graph)
+    seen = set()
+    for cand in cands:
+        if cand.recompute in seen or cand.mesh.degree("pp") > 1:
+            continue
+        seen.add(cand.recompute)
+        prep = _prepare(graph, spec, cand, frozenset(SPACE), {})
+        for name, strategies in prep.strategies.items():
+            op = graph.op(name)
+            priced = op_cost(op, strategies[0], prep.ctx, **sites[name]).recompute_s > 0
+            assert repeats_forward(op, cand.recompute, sites[name]["selective_keep"], graph.seq_len) == priced, \
+                (cand.recompute, name)
+    assert seen == {"none", "selective", "full"}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from autoshard.capture.ir import OpGraph
 
-__all__ = ["cache_dir", "cache_key", "load_cached", "store", "cache_enabled"]
+__all__ = ["cache_dir", "cache_key", "cached_graph", "load_cached", "store", "cache_enabled"]
 
 log = logging.getLogger(__name__)
 _FORMAT = 1
@@ -44,26 +44,39 @@ def cache_dir() -> Path:
 @functools.lru_cache(maxsize=1)
 def _code_and_versions() -> str:
     """Versions of what a captured graph depends on, and a hash of autoshard's capture and model code."""
-    import torch
-
     import autoshard
 
-    try:  # the installed version, without importing transformers (over a second)
-        tf = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        tf = "none"
+    # the installed versions, without importing torch or transformers (a second or more each): a command
+    # whose graph is cached never loads them
+    versions = []
+    for package in ("torch", "transformers"):
+        try:
+            versions.append(importlib.metadata.version(package))
+        except importlib.metadata.PackageNotFoundError:
+            versions.append("none")
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
     for sub in ("capture", "models"):
         for path in sorted((root / sub).glob("*.py")):
             h.update(path.name.encode())
             h.update(path.read_bytes())
-    return f"{autoshard.__version__}|{torch.__version__}|{tf}|{h.hexdigest()}|{_FORMAT}"
+    return f"{autoshard.__version__}|{'|'.join(versions)}|{h.hexdigest()}|{_FORMAT}"
 
 
 def cache_key(spec, name: str) -> str:
     """A file-name-safe key for a spec model captured under `name`."""
     return hashlib.sha256(f"{spec!r}|{name}|{_code_and_versions()}".encode()).hexdigest()[:32]
+
+
+def cached_graph(ref, *, seq: int | None = None, attn: str | None = None) -> OpGraph | None:
+    """The cached graph of zoo name or spec string `ref` (with `seq`, `attn` applied), or None: not a zoo or
+    spec model, the cache is off, or the model was never captured. Imports neither torch nor transformers."""
+    from autoshard.models.names import is_zoo_or_spec, spec_and_name
+
+    if not is_zoo_or_spec(ref) or not cache_enabled():
+        return None
+    spec, name = spec_and_name(ref, seq=seq, attn=attn)
+    return load_cached(cache_key(spec, name))
 
 
 def load_cached(key: str) -> OpGraph | None:

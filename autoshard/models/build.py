@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import logging
 import os
@@ -14,9 +13,9 @@ import torch
 from torch import nn
 
 from autoshard.errors import ModelSpecError
+from autoshard.models.names import is_zoo_or_spec, resolve_spec, spec_and_name  # noqa: F401 - re-exported
 from autoshard.models.small import GQAGPT, MLP
-from autoshard.models.spec import FAMILIES, ModelSpec, parse_spec, spec_string
-from autoshard.models.zoo import ZOO
+from autoshard.models.spec import FAMILIES, ModelSpec, parse_spec, spec_string  # noqa: F401 - re-exported
 
 __all__ = ["LoadedModel", "load_model", "build_module", "resolve_spec"]
 
@@ -84,36 +83,6 @@ def _config_seq(cfg) -> int | None:
     return None
 
 
-def resolve_spec(ref: str) -> ModelSpec:
-    """Zoo name or spec string -> ModelSpec."""
-    key = ref.strip()
-    if key.lower() in ZOO:
-        return ZOO[key.lower()]
-    if ":" in key and key.split(":", 1)[0].strip().lower() in FAMILIES:
-        return parse_spec(key)
-    close = difflib.get_close_matches(key.lower(), list(ZOO), n=3, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}? " if close else ""
-    raise ModelSpecError(f"unknown model {ref!r}: {hint}run `autoshard models` for the zoo, or give a spec such as "
-                         "gpt:layers=24,hidden=2048,heads=16,seq=2048 or package.module:factory")
-
-
-def spec_and_name(ref: str, *, seq: int | None = None, attn: str | None = None) -> tuple[ModelSpec, str]:
-    """The ModelSpec of a zoo name or spec string with `seq` and `attn` applied, and the name its graph and
-    plans carry; no module is built."""
-    spec = resolve_spec(ref)
-    if seq is not None:
-        if seq <= 0:
-            raise ModelSpecError(f"seq must be a positive integer, got {seq}", params=("seq",))
-        if spec.family in ("vit", "mlp"):
-            raise ModelSpecError(f"{spec.name} has no sequence length; drop seq", params=("seq",))
-        spec = replace(spec, seq=seq)
-    name = spec.name if seq is None else f"{spec.name}@seq{seq}"
-    if attn is not None and attn != spec.attn:
-        spec = replace(spec, attn=attn)  # validated by ModelSpec
-        name = spec_string(spec)  # a name that rebuilds this model (measure rebuilds a plan's model by name)
-    return spec, name
-
-
 def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | None = "meta",
                attn: str | None = None) -> LoadedModel:
     """Build `ref` (zoo name, spec string, `module:factory` or an nn.Module) on `device`; `attn` overrides the
@@ -122,8 +91,7 @@ def load_model(ref: str | nn.Module, *, seq: int | None = None, device: str | No
         return LoadedModel(name=type(ref).__name__, family="custom", module=ref)
     if not isinstance(ref, str) or not ref.strip():
         raise ModelSpecError(f"model must be a zoo name, a spec string or module:factory, got {ref!r}")
-    head = ref.split(":", 1)[0].strip().lower()
-    if ":" in ref and head not in FAMILIES:
+    if not is_zoo_or_spec(ref):
         loaded = _load_factory(ref, device)
         if seq is not None:
             if seq <= 0:

@@ -13,81 +13,145 @@ import math
 from autoshard.cost_models.memory import framework_overhead_bytes
 from autoshard.planner.bounds import knapsack_lp_min
 from autoshard.planner.context import PlanContext
-from autoshard.planner.evaluate import inflight_microbatches, pipeline_fill, stage_units
+from autoshard.planner.evaluate import (
+    inflight_microbatches,
+    loss_per_stage,
+    op_sites,
+    pipeline_fill,
+    sink_layout,
+    stage_units,
+)
 from autoshard.planner.ilp import consumer_key, edge_time_s, optimizer_s_per_state_byte
+from autoshard.planner.opcost import edge_cost, kernel_times_s, repeats_forward
 from autoshard.planner.template import template_for
 
-__all__ = ["knapsack_bound_s", "edge_times"]
+__all__ = ["knapsack_bound_s", "compute_bound_s", "edge_times"]
+
+
+def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict) -> float:
+    """A lower bound on the ILP objective of `cand` from kernel times alone, before its strategies are priced:
+    (m + fill)·T with T >= F_k + B_k, each op at its fastest strategy (`kernel_times_s`), its forward counted
+    again when the recompute mode repeats it (`repeats_forward`), plus the stage's fixed rows (the loss,
+    p2p). Communication and memory count nothing, so it is looser than `knapsack_bound_s` but needs no
+    `op_cost`: the search uses it to skip pricing candidates that cannot win."""
+    tg, stage = template_for(graph, cand.pipe)
+    memo = cache.setdefault("op_parts", {})
+    sites = op_sites(graph)
+    fastest = {}
+    for op in tg.ops:
+        again = repeats_forward(op, cand.recompute, sites[op.name]["selective_keep"], graph.seq_len)
+        key = ("fastest", op.name, cand.mesh, cand.micro_batch, again)
+        hit = cache.get(key)
+        if hit is None:
+            times = [kernel_times_s(op, st, ctx, memo) for st in strategies[op.name]]
+            hit = cache[key] = min(f + b + (f if again else 0.0) for f, b in times)
+        fastest[op.name] = hit
+    pipe = cand.pipe
+    loss_time, _ = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
+    p2p = 2 * pipe.virtual_stages * ctx.p2p_s(0.0) if pipe.degree > 1 else 0.0
+    per_stage = max(sum(tg.per_stage[name][k] * t for name, t in fastest.items()) + p2p + 2 * loss_time[k]
+                    for k in range(pipe.degree))
+    return (cand.num_microbatches + pipeline_fill(pipe)) * per_stage
 
 
 def knapsack_bound_s(graph, cand, prep, cap: float, cache: dict,
                      stop_at: float = math.inf) -> float:
     """A lower bound on the ILP objective of `cand` (a search `Candidate` whose strategies and op costs are
     `prep`, the search's `_Prepared`), per pipeline stage k, without writing the ILP
-    (returns as soon as it reaches `stop_at`). Its constraints give
-        T >= C_k + P_k + D_k/units_k  and  T >= P_k + D_k          (E_k >= D_k/units_k, E_k >= D_k - C_k)
-        S >= G_k/units_k              and  S >= G_k - B_k          (gradient sync outside backward)
-        O >= opt_k,
-    so for each of the four pairings the objective (m + fill)·T + S + O is at least a sum over ops of a cost
-    per chosen strategy. An edge u -> v costs at least nothing, at least the cheapest way for v's strategy to
-    receive it, and at least half that plus half the cheapest way for u's strategy to send it (all three are
-    tried, the cheap one first). The stage's memory row caps the sum of the ops' bytes. Picking one strategy
-    per op under that cap is a multiple-choice knapsack whose LP relaxation (`knapsack_lp_min`) bounds every
-    plan of the candidate from below."""
+    (returns as soon as it reaches `stop_at`). With r = 1 - 1/u_k and s = 1 - 1/slow, its constraints give
+        T >= F_k + B_k + P_k + (Df_k + Db_k)/u_k + Ef_k + Eb_k + fixed_k,
+        Ef_k >= Df_k·r - F_k  and  Ef_k >= Df_k·r·s   (Eb_k likewise with Db_k, B_k),
+        S >= G_k/u_k + S_k,  S_k >= G_k·r - B_k  and  S_k >= G_k·r·s,   O >= opt_k,
+    so for each choice of one lower bound per E and S (`_FORMS`) the objective (m + fill)·T + S + O is at
+    least a constant plus a sum over ops of a cost per chosen strategy. An edge u -> v costs at least a dual
+    charge to v's strategy plus one to u's (`_edge_minima`; three charge splits are tried, the one that binds
+    most often first). The stage's memory row caps the
+    sum of the ops' bytes. Picking one strategy per op under that cap is a multiple-choice knapsack whose LP
+    relaxation (`knapsack_lp_min`) bounds every plan of the candidate from below."""
     tg, stage = template_for(graph, cand.pipe)
-    m, pipe = cand.num_microbatches, cand.pipe
+    m, pipe, ctx = cand.num_microbatches, cand.pipe, prep.ctx
     weight = m + pipeline_fill(pipe)
     units = stage_units(graph, pipe, stage)
     groups = sum(1 for a in cand.mesh.names if cand.mesh.degree(a) > 1)
-    capacity = cap - framework_overhead_bytes(groups)
+    frag = 1.0 + ctx.fragmentation
+    loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
+    p2p = 2 * pipe.virtual_stages * ctx.p2p_s(0.0) if pipe.degree > 1 else 0.0  # build_problem's fixed rows
+    slow = 1.0 - 1.0 / ctx.gpu.overlap_slowdown
     best, minima = 0.0, None
-    for edges in ("none", "receive", "split"):
-        if edges != "none" and minima is None:
+    for edges in ("split", "receive", "send"):
+        if minima is None:
             minima = _edge_minima(tg, cand, prep, cache)
-        for k in range(pipe.degree):
-            parts = _stage_parts(tg, k, cand, prep, units[k], _edge_charges(tg, k, prep, minima, edges))
-            for t_form, s_form in ((0, 0), (0, 1), (1, 0), (1, 1)):
-                items = [[(weight * (P + D if t_form else C + P + D / units[k])
-                           + (G - B if s_form else G / units[k]) + opt, nbytes)
-                          for C, P, D, G, B, opt, nbytes in op_parts] for op_parts in parts]
-                best = max(best, knapsack_lp_min(items, capacity))
+        for k in _stage_order(pipe.degree):
+            parts, transient = _stage_parts(tg, k, cand, prep, _edge_charges(tg, k, prep, minima, edges, cache))
+            # R_k is at least the largest gathered buffer every strategy of some op needs
+            capacity = cap - framework_overhead_bytes(groups) - frag * (loss_bytes[k] + 2 * transient)
+            fixed = weight * (p2p + 2 * loss_time[k])
+            u = units[k]
+            r = 1.0 - 1.0 / u
+            for hide_f, hide_b, hide_s in _FORMS:
+                items = [[(weight * (F + B + P + (Df + Db) / u + (Df * r - F if hide_f else Df * r * slow)
+                                     + (Db * r - B if hide_b else Db * r * slow))
+                           + G / u + (G * r - B if hide_s else G * r * slow) + opt, nbytes)
+                          for F, B, P, Df, Db, G, opt, nbytes in op_parts] for op_parts in parts]
+                best = max(best, fixed + knapsack_lp_min(items, capacity))
                 if best >= stop_at:
                     return best
     return best
 
 
-def _edge_charges(tg, k: int, prep, minima, edges: str) -> dict[str, list[float]]:
+# (Ef, Eb, S) each bounded by its hiding row (True) or its slowdown row (False), the one that binds most
+# often first (compute hides the traffic in the plans that win). The mixed choices (Ef by one row, Eb by the
+# other) are left out: on GPT-3 175B over 1,024 A100s they gave the largest bound for 3 of 641 candidates,
+# and each form tried costs a knapsack per stage.
+_FORMS = ((False, False, False), (False, False, True), (True, True, True), (True, True, False))
+
+
+def _stage_order(stages: int) -> list[int]:
+    """The first stage (most micro-batches in flight, the embedding) and the last (the head and the loss)
+    bound the objective most often: try them first, so a candidate that cannot win stops early."""
+    return list(dict.fromkeys([0, stages - 1, *range(stages)]))
+
+
+def _edge_charges(tg, k: int, prep, minima, edges: str, cache: dict) -> dict[str, list[float]]:
     """Seconds of edge traffic charged to each strategy of each op of stage k (see `knapsack_bound_s`)."""
     charges = {op.name: [0.0] * len(prep.costs[op.name]) for op in tg.ops if tg.per_stage[op.name][k]}
-    for e, receive, send in (minima if edges != "none" else ()):
+    for name, times in _output_times(tg, prep, cache).items():  # the model's outputs gathered for the loss
+        if name in charges:
+            charges[name] = list(times)
+    for e, modes in minima:
         ne = e.per_stage[k]
         if not ne:
             continue
-        half = edges == "split" and e.src in charges
-        for i, t in enumerate(receive):
-            charges[e.dst][i] += ne * t * (0.5 if half else 1.0)
-        if half:
-            for j, t in enumerate(send):
-                charges[e.src][j] += ne * t * 0.5
+        to_consumer, to_producer = modes[edges]
+        for i, t in enumerate(to_consumer):
+            charges[e.dst][i] += ne * t
+        if e.src in charges:
+            for j, t in enumerate(to_producer):
+                charges[e.src][j] += ne * t
     return charges
 
 
-def _stage_parts(tg, k: int, cand, prep, units: int, charges) -> list[list[tuple]]:
-    """Per op of stage k, per strategy: (C, P, D, G, B, opt seconds, bytes) of `knapsack_bound_s`. C is the
-    ILP's compute row and P its tensor-parallel row with the edge charges; D is divided by m under layered
-    accumulation (one gather per step)."""
+def _stage_parts(tg, k: int, cand, prep, charges) -> tuple[list[list[tuple]], float]:
+    """(per op of stage k, per strategy: (F, B, P, Df, Db, G, opt seconds, bytes) of `knapsack_bound_s`;
+    the largest over the stage's ops of the smallest gathered buffer any of its strategies holds).
+    B counts recompute, P the op's tensor-parallel traffic and its edge charges; Df and Db are divided by m
+    under layered accumulation (one gather per step)."""
     ctx, m, pipe = prep.ctx, cand.num_microbatches, cand.pipe
     inflight = inflight_microbatches(k, pipe, m)
     per_state_byte = optimizer_s_per_state_byte(ctx)
-    parts = []
+    per = m if pipe.layered else 1
+    frag = 1.0 + ctx.fragmentation
+    parts, transient = [], 0.0
     for name, edge_s in charges.items():
         n = tg.per_stage[name][k]
-        parts.append([(n * (c.fwd_s + c.bwd_s + c.recompute_s), n * (c.tp_fwd_s + c.tp_bwd_s) + edge_s[i],
-                       n * (c.dp_fwd_s + c.dp_bwd_s) / (m if pipe.layered else 1), n * c.dp_iter_s,
-                       n * (c.bwd_s + c.recompute_s), n * c.optim_bytes * per_state_byte,
-                       n * (c.state_bytes + inflight * c.saved_bytes) + c.recompute_peak_bytes)
-                      for i, c in enumerate(prep.costs[name])])
-    return parts
+        costs = prep.costs[name]
+        parts.append([(n * c.fwd_s, n * (c.bwd_s + c.recompute_s), n * (c.tp_fwd_s + c.tp_bwd_s) + edge_s[i],
+                       n * c.dp_fwd_s / per, n * c.dp_bwd_s / per, n * c.dp_iter_s,
+                       n * c.optim_bytes * per_state_byte,
+                       n * (c.state_bytes + frag * inflight * c.saved_bytes) + frag * c.recompute_peak_bytes)
+                      for i, c in enumerate(costs)])
+        transient = max(transient, min(c.transient_bytes for c in costs))
+    return parts, transient
 
 
 def edge_times(ctx: PlanContext, cache: dict):
@@ -105,9 +169,28 @@ def edge_times(ctx: PlanContext, cache: dict):
     return edge_time
 
 
+def _output_times(tg, prep, cache: dict) -> dict[str, tuple[float, ...]]:
+    """Per template output op, per strategy: seconds to bring its output to the sink layout (the ILP's
+    `_output_costs`); the same for every pipeline layout of this mesh and micro-batch."""
+    ctx = prep.ctx
+    memo = ("outputs", ctx.mesh, ctx.micro_batch, tuple(tg.outputs))
+    if memo not in cache:
+        sink, ops = sink_layout(ctx), {op.name: op for op in tg.ops}
+        cache[memo] = {name: tuple(edge_cost(ops[name].output_meta, s.output, sink, frozenset(), ctx).time_s
+                                   for s in prep.strategies[name]) for name in tg.outputs}
+    return cache[memo]
+
+
 def _edge_minima(tg, cand, prep, cache: dict) -> list[tuple]:
-    """Per template edge: (edge, [cheapest receive time for each consumer strategy], [cheapest send time for
-    each producer strategy]); the same for every pipeline layout of this mesh, micro-batch and recompute."""
+    """Per template edge: (edge, {mode: ([seconds charged to each consumer strategy], [seconds charged to each
+    producer strategy])}); the same for every pipeline layout of this mesh, micro-batch and recompute.
+
+    The ILP moves an edge from producer layout a to consumer key b at c(a, b) (a transportation problem
+    between the two ops' choices). Charges beta_b to the consumer and alpha_a to the producer with
+    alpha_a + beta_b <= c(a, b), both >= 0, are a feasible dual of it, so their sum never exceeds the edge's
+    cost in any plan, fractional or not. Each mode starts from one split of the cheapest ways to receive and
+    to send (all to the consumer, all to the producer, half each) and raises alpha, then beta, by what c
+    leaves over. A producer in another pipeline stage drops its alpha, which stays a lower bound."""
     edge_time = edge_times(prep.ctx, cache)
     out = []
     for e in tg.edges:
@@ -115,9 +198,31 @@ def _edge_minima(tg, cand, prep, cache: dict) -> list[tuple]:
         if memo not in cache:
             src_outs = [s.output for s in prep.strategies[e.src]]
             keys = [consumer_key(st, e.index) for st in prep.strategies[e.dst]]
-            table = {(lay, k): edge_time(e, lay, k) for lay in dict.fromkeys(src_outs) for k in dict.fromkeys(keys)}
-            receive = {k: min(table[lay, k] for lay in src_outs) for k in keys}
-            send = {lay: min(table[lay, k] for k in keys) for lay in src_outs}
-            cache[memo] = ([receive[k] for k in keys], [send[lay] for lay in src_outs])
-        out.append((e, *cache[memo]))
+            outs_u, keys_u = list(dict.fromkeys(src_outs)), list(dict.fromkeys(keys))
+            c = [[edge_time(e, lay, k) for k in keys_u] for lay in outs_u]
+            receive = [min(c[a][b] for a in range(len(outs_u))) for b in range(len(keys_u))]
+            send = [min(row) for row in c]
+            modes = {}
+            for mode, (alpha, beta) in (("split", ([t / 2 for t in send], [t / 2 for t in receive])),
+                                        ("receive", ([0.0] * len(outs_u), receive)),
+                                        ("send", (send, [0.0] * len(keys_u)))):
+                alpha, beta = _tighten(c, alpha, beta)
+                a_of = {lay: alpha[i] for i, lay in enumerate(outs_u)}
+                b_of = {k: beta[i] for i, k in enumerate(keys_u)}
+                modes[mode] = ([b_of[k] for k in keys], [a_of[lay] for lay in src_outs])
+            cache[memo] = modes
+        out.append((e, cache[memo]))
     return out
+
+
+def _tighten(c: list[list[float]], alpha: list[float], beta: list[float]) -> tuple[list[float], list[float]]:
+    """Raise dual charges alpha (rows of c) then beta (columns) by the least slack c - alpha - beta they
+    leave, over the finite entries: still alpha_a + beta_b <= c(a, b), never lower."""
+    def slack(a: int, b: int) -> float:
+        return c[a][b] - alpha[a] - beta[b] if math.isfinite(c[a][b]) else math.inf
+
+    alpha = [alpha[a] + max(0.0, min(slack(a, b) for b in range(len(beta)))) if math.isfinite(alpha[a]) else alpha[a]
+             for a in range(len(alpha))]
+    beta = [beta[b] + max(0.0, min(slack(a, b) for a in range(len(alpha)))) if math.isfinite(beta[b]) else beta[b]
+            for b in range(len(beta))]
+    return alpha, beta

@@ -35,7 +35,7 @@ from autoshard.planner.context import PlanContext
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
 from autoshard.planner.plan import OpStrategy
 
-__all__ = ["OpCost", "EdgeCost", "op_cost", "edge_cost", "grad_partial_axes", "score_shaped"]
+__all__ = ["OpCost", "EdgeCost", "op_cost", "kernel_times_s", "repeats_forward", "edge_cost", "grad_partial_axes", "score_shaped"]
 
 _TOKEN = (BATCH, SEQ)
 # pointwise ATen ops that evaluate a transcendental function per element (GPUProfile.transcendental_gelem_per_s)
@@ -108,6 +108,21 @@ def grad_partial_axes(strategy: OpStrategy) -> frozenset[str]:
 
 
 # -- compute ----------------------------------------------------------------------------------------------
+def kernel_times_s(op: Op, st: OpStrategy, ctx: PlanContext, memo: dict | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of the op's own work under `st` (`_compute_s`), without communication,
+    recompute or FSDP's copies. `memo`: see `op_cost`; the times depend on the tensor-parallel degrees, the
+    micro-batch and whether ops run on DTensors or under FSDP, not on the data-parallel or pipeline degree."""
+    if memo is None:
+        return _compute_s(op, st, ctx)
+    mesh = ctx.mesh
+    key = ("compute", op.name, st, ctx.micro_batch, tuple((a, mesh.degree(a)) for a in mesh.tp_axes),
+           ctx.on_dtensors, mesh.degree("dp") > 1, ctx.fused_pointwise, ctx.precision)
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = _compute_s(op, st, ctx)
+    return hit
+
+
 def _compute_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     """(forward, backward) seconds of the op's kernels, plus, on a mesh with tensor-parallel axes, the host
     cost of running them on DTensors (the runtime's ops run on DTensors there; a backward kernel per forward
@@ -298,15 +313,39 @@ def _norm_stats_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, f
     return t, t, [("all_reduce", nb)] * (2 * stats)
 
 
+def repeats_forward(op: Op, recompute: str, selective_keep: bool | None, seq: int | None) -> bool:
+    """Whether recompute mode `recompute` runs `op`'s forward again in backward (`op_cost` gives it a
+    recompute time): full recompute every block op; selective recompute, with a fused attention kernel, the
+    block ops whose outputs it does not keep, else the ops that save score-shaped tensors."""
+    if recompute == "full":
+        return op.layer is not None
+    if recompute != "selective":
+        return False
+    if op.layer is not None and selective_keep is not None:
+        return not selective_keep
+    return any(score_shaped(t, seq) for t in op.saved)
+
+
 def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta | None = None,
-            unit_numel: float | None = None, selective_keep: bool | None = None) -> OpCost:
+            unit_numel: float | None = None, selective_keep: bool | None = None, memo: dict | None = None) -> OpCost:
     """Cost of `op` under `st`. `block_input`: for the first op of a repeated block under full recompute,
     the block input it keeps (everything else in the block is recomputed). `unit_numel`: the parameters of
     the sharded-DP unit (block) the op belongs to (`evaluate.dp_units`). `selective_keep`: in a graph with a
     fused attention kernel, whether selective recompute keeps this block op's output (`evaluate.selective_keeps`);
-    None: selective recompute drops score-shaped tensors (materialized attention)."""
-    fwd, bwd = _compute_s(op, st, ctx)
-    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = _param_costs(op, st, ctx, unit_numel)
+    None: selective recompute drops score-shaped tensors (materialized attention).
+    `memo`: a dict shared by calls on one graph and cluster (the search's), which keeps the kernel times and
+    the parameter traffic across contexts that cannot change them: kernel times do not depend on the
+    data-parallel or pipeline degree (only on whether there is one) nor on recompute, parameter traffic not on
+    the micro-batch nor recompute."""
+    fwd, bwd = kernel_times_s(op, st, ctx, memo)
+    if memo is None:
+        params = _param_costs(op, st, ctx, unit_numel)
+    else:
+        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision)
+        params = memo.get(key)
+        if params is None:
+            params = memo[key] = _param_costs(op, st, ctx, unit_numel)
+    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = params
     copy_f, copy_b = _fsdp_copy_s(op, st, ctx)
     fwd, bwd = fwd + copy_f, bwd + copy_b
     nf, nb, ncomm = _norm_stats_comm(op, st, ctx)

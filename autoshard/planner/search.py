@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from autoshard.capture.ir import OpGraph
 from autoshard.errors import InfeasiblePlanError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
-from autoshard.planner.candidate_bound import edge_times, knapsack_bound_s
+from autoshard.planner.candidate_bound import compute_bound_s, edge_times, knapsack_bound_s
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.contract import (
     largest_head_divisor,
@@ -236,6 +236,8 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
     cands, pruned = enumerate_candidates(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap,
                                          schedules=schedules)
     t0 = time.perf_counter()
+    if progress:
+        progress(f"searching {len(cands)} configurations")
     best: SearchResult | None = None
     solved, num_time_limited, stopped_early, cache = 0, 0, False, {}
     last_progress_s = t0
@@ -248,6 +250,10 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
                         budget_s, len(cands) - i)
             stopped_early = True
             break
+        strategies = _strategies(graph, cand, space, cache)
+        if strategies is None or compute_bound_s(graph, cand, _context(graph, cluster, cand), strategies,
+                                                 cache) >= bound:
+            continue  # no strategy of some op, or kernel time alone cannot win: not worth pricing
         prepared = _prepare(graph, cluster, cand, space, cache)
         if prepared is None or not _may_beat(graph, cand, prepared, cap, bound, cache):
             continue
@@ -297,7 +303,8 @@ def _prepare(graph, cluster, cand: Candidate, space, cache) -> _Prepared | None:
     ctx = _context(graph, cluster, cand)
     if key not in cache:
         sites = op_sites(graph)
-        cache[key] = {name: [op_cost(graph.op(name), s, ctx, **sites[name]) for s in sts]
+        memo = cache.setdefault("op_parts", {})
+        cache[key] = {name: [op_cost(graph.op(name), s, ctx, memo=memo, **sites[name]) for s in sts]
                       for name, sts in strategies.items()}
     return _Prepared(ctx=ctx, strategies=strategies, costs=cache[key])
 
