@@ -60,12 +60,14 @@ def plot_plan(plan: Plan, baselines: dict, cluster, path: str | os.PathLike) -> 
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ConfigurationError("--plot needs matplotlib: pip install 'autoshard[plot]'") from exc
+        raise ConfigurationError("a plot needs matplotlib: pip install 'autoshard[plot]'") from exc
     path = Path(path)
     if path.suffix.lower() != ".png":
-        raise ConfigurationError(f"--plot {path}: only PNG is written; give a file name ending in .png")
+        raise ConfigurationError(f"path={str(path)!r}: only PNG is written; give a file name ending in .png",
+                                 params=("path",))
     if not path.parent.is_dir():
-        raise ConfigurationError(f"--plot {path}: directory {path.parent} does not exist; create it first")
+        raise ConfigurationError(f"path={str(path)!r}: directory {path.parent} does not exist; create it first",
+                                 params=("path",))
     fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
     _draw(fig, plan, baselines, cluster)
     _save_atomically(fig, path)

@@ -29,3 +29,22 @@ def test_attention_sdpa_restricts_the_plan_to_the_masked_kernel_and_estimate_agr
 def test_an_attention_kernel_for_a_module_is_a_typed_error_naming_the_parameter():
     with pytest.raises(ConfigurationError, match="attention='flash' applies to zoo and spec models"):
         plan(nn.Linear(4, 4), "1x2xA100-80GB", example_inputs=(), attention="flash")
+
+
+def test_a_plan_stopped_at_its_time_limit_is_saved_as_the_incumbent_not_the_optimum(monkeypatch):
+    import dataclasses
+
+    import autoshard.planner.search as search_mod
+
+    real_solve = search_mod.solve
+
+    def stopped_at_the_limit(problem, *, time_limit_s):
+        sol = real_solve(problem, time_limit_s=time_limit_s)
+        return dataclasses.replace(sol, status="time_limit") if sol.status == "optimal" else sol
+
+    assert plan(GPT, "1x2xA100-80GB", global_batch=4).optimal is True
+    monkeypatch.setattr(search_mod, "solve", stopped_at_the_limit)
+    p = plan(GPT, "1x2xA100-80GB", global_batch=4)
+    assert p.optimal is False
+    assert Plan.from_json(p.to_json()).optimal is False
+    assert p.to_json()["optimal"] is False

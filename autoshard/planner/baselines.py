@@ -21,6 +21,7 @@ from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.contract import projection_head_slices
 from autoshard.planner.evaluate import evaluate, inflight_microbatches
+from autoshard.planner.explain import batch_label
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.manual import megatron_assignment
@@ -38,7 +39,7 @@ BASELINES = ("dp", "zero3", "tp1d", "tp2d", "tp3d", "grid")
 class Baseline:
     name: str
     prediction: Prediction | None
-    config: str  # what was chosen, e.g. "tp=8 pp=12 dp=16, 1f1b, micro-batch 1, full recompute"
+    config: str  # what was chosen, e.g. "tp=8 pp=12 dp=16, 1f1b, micro-batch 1 sample x 8 micro-batches per replica, recompute full"
     note: str = ""  # why there is no prediction
 
 
@@ -107,7 +108,8 @@ def _uniform(graph, cluster, global_batch, cap, zero: int) -> _Best:
         for rc in _recomputes(graph):
             ctx = _ctx(graph, cluster, mesh, b, global_batch // (n * b), rc)
             ev = evaluate(graph, assign, ctx, PipelineSpec(), global_batch=global_batch, check_tied=False)
-            best.offer(ev.prediction, f"dp={n}, micro-batch {b}, recompute {rc}", cap)
+            best.offer(ev.prediction, f"dp={n}, micro-batch {batch_label(b, global_batch // (n * b))}, recompute {rc}",
+                       cap)
     return best
 
 
@@ -159,7 +161,7 @@ def _megatron(graph, cluster, global_batch, cap, *, pipelines: bool) -> _Best:
             ev = evaluate(graph, assign, _ctx(graph, cluster, mesh, b, m, rc), pipe, global_batch=global_batch,
                           check_tied=False)
             sched = "" if pp == 1 else (f", interleaved x{v}" if v > 1 else ", 1f1b")
-            best.offer(ev.prediction, f"tp={tp} pp={pp} dp={dp}{sched}, micro-batch {b}, recompute {rc}"
+            best.offer(ev.prediction, f"tp={tp} pp={pp} dp={dp}{sched}, micro-batch {batch_label(b, m)}, recompute {rc}"
                                       f"{', distributed optimizer' if zero else ''}", cap)
     return best
 
@@ -190,7 +192,7 @@ def _tensor_family(graph, cluster, global_batch, cap, family: str) -> _Best:
                 if sol.status == "infeasible":
                     continue
                 ev = evaluate(graph, extract_assignment(problem, sol), ctx, PipelineSpec(), global_batch=global_batch)
-                best.offer(ev.prediction, f"{mesh}, micro-batch {b}, recompute {rc}", cap)
+                best.offer(ev.prediction, f"{mesh}, micro-batch {batch_label(b, ctx.num_microbatches)}, recompute {rc}", cap)
     return best
 
 

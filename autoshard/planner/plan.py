@@ -171,6 +171,9 @@ class Plan:
     solve_time_s: float = 0.0
     attention: str = ""  # the attention kernel priced: flash, masked, eager or none ("" in older plan files)
     solver: str = ""  # the MILP solver that chose the strategies (HiGHS or CBC; "" for estimate's hand plans)
+    # True: the search proved this the fastest plan of its space under the cost model; False: the best found
+    # when an ILP or the search stopped at its time limit (the incumbent)
+    optimal: bool = True
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -198,7 +201,7 @@ class Plan:
             "mesh": self.mesh.to_json(), "global_batch": self.global_batch, "micro_batch": self.micro_batch,
             "seq": self.seq, "recompute": self.recompute, "pipeline": asdict(self.pipeline),
             "space": list(self.space), "solve_time_s": self.solve_time_s, "attention": self.attention,
-            "solver": self.solver,
+            "solver": self.solver, "optimal": self.optimal,
             "prediction": self.prediction.to_json() if self.prediction else None,
             "ops": [p.to_json() for p in self.ops],
         }
@@ -220,7 +223,7 @@ class Plan:
                 micro_batch=int(d["micro_batch"]), seq=d.get("seq"), recompute=d.get("recompute", "none"),
                 pipeline=PipelineSpec(**pipe), space=tuple(d.get("space", ())),
                 solve_time_s=float(d.get("solve_time_s", 0.0)), attention=str(d.get("attention", "")),
-                solver=str(d.get("solver", "")),
+                solver=str(d.get("solver", "")), optimal=bool(d.get("optimal", True)),
                 prediction=Prediction.from_json(d["prediction"]) if d.get("prediction") else None,
                 ops=tuple(OpPlan.from_json(p) for p in d["ops"]),
             )

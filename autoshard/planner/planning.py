@@ -86,7 +86,7 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
                 global_batch=global_batch, micro_batch=cand.micro_batch, seq=graph.seq_len,
                 recompute=cand.recompute, pipeline=cand.pipe, ops=tuple(ops), prediction=result.evaluation.prediction,
                 space=tuple(sorted(space)), solve_time_s=result.solve_time_s, attention=attention_kernel(graph),
-                solver=solver_name())
+                solver=solver_name(), optimal=result.optimal)
 
 
 def _ctx(graph, cluster, cand) -> PlanContext:
