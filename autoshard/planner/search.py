@@ -3,8 +3,11 @@
 Candidates are enumerated (tensor-parallel axes inside a node first, data parallel outermost, pipeline
 degrees that divide the GPUs), given a lower bound on iteration time and memory (`bounds.py`), sorted by the
 time bound, and solved in that order; the search stops when the next bound cannot beat the best plan found.
-A candidate whose strategies are priced is skipped without writing its ILP when a per-stage knapsack bound
-(`candidate_bound.py`) cannot beat the best plan, and without solving it when the LP relaxation cannot.
+Each candidate then meets tighter and costlier lower bounds, and is dropped at the first that cannot beat the
+best plan (`candidate_bound.py`): kernel times at each op's fastest strategy (before pricing its strategies),
+a per-stage knapsack over the priced strategies (before writing its ILP), the LP relaxation (before solving
+it). On GPT-3 175B over 1,024 A100s: 2,955 candidates, 641 above the first bound's cut, 337 priced, 22 ILPs
+written, 10 solved.
 Ties break on the candidate order, which is deterministic: same inputs, same plan. The objective is tokens/s
 at the given global batch, i.e. the shortest iteration.
 """
