@@ -40,7 +40,7 @@ def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict
     fastest = {}
     for op in tg.ops:
         again = repeats_forward(op, cand.recompute, sites[op.name]["selective_keep"], graph.seq_len)
-        key = ("fastest", op.name, cand.mesh, cand.micro_batch, again)
+        key = ("fastest", op.name, cand.mesh.spmd_signature, ctx.on_dtensors, cand.micro_batch, again)
         hit = cache.get(key)
         if hit is None:
             times = [kernel_times_s(op, st, ctx, memo) for st in strategies[op.name]]
@@ -155,12 +155,14 @@ def _stage_parts(tg, k: int, cand, prep, charges) -> tuple[list[list[tuple]], fl
 
 
 def edge_times(ctx: PlanContext, cache: dict):
-    """`edge_time_s` memoized across candidates: an edge's cost depends on the mesh, the micro-batch and
-    whether full recompute replays it, not on the pipeline layout or the number of micro-batches."""
+    """`edge_time_s` memoized across candidates: an edge's cost depends on the tensor-parallel axes and
+    whether there is a dp axis (`MeshSpec.spmd_signature`), the micro-batch and whether full recompute replays
+    it, not on the pipeline layout, the pipeline or data-parallel degree or the number of micro-batches."""
     full = ctx.recompute == "full"
+    spmd = ctx.mesh.spmd_signature
 
     def edge_time(e, src, key) -> float:
-        memo = (key, e.meta, e.in_block and full, ctx.mesh, ctx.micro_batch, e.fanout, src)
+        memo = (key, e.meta, e.in_block and full, spmd, ctx.micro_batch, e.fanout, src)
         hit = cache.get(memo)
         if hit is None:
             hit = cache[memo] = edge_time_s(e, src, key, ctx)
@@ -171,9 +173,9 @@ def edge_times(ctx: PlanContext, cache: dict):
 
 def _output_times(tg, prep, cache: dict) -> dict[str, tuple[float, ...]]:
     """Per template output op, per strategy: seconds to bring its output to the sink layout (the ILP's
-    `_output_costs`); the same for every pipeline layout of this mesh and micro-batch."""
+    `_output_costs`); the same for every pipeline layout, pp and dp degree of these tensor-parallel axes."""
     ctx = prep.ctx
-    memo = ("outputs", ctx.mesh, ctx.micro_batch, tuple(tg.outputs))
+    memo = ("outputs", ctx.mesh.spmd_signature, ctx.micro_batch, tuple(tg.outputs))
     if memo not in cache:
         sink, ops = sink_layout(ctx), {op.name: op for op in tg.ops}
         cache[memo] = {name: tuple(edge_cost(ops[name].output_meta, s.output, sink, frozenset(), ctx).time_s
@@ -183,7 +185,8 @@ def _output_times(tg, prep, cache: dict) -> dict[str, tuple[float, ...]]:
 
 def _edge_minima(tg, cand, prep, cache: dict) -> list[tuple]:
     """Per template edge: (edge, {mode: ([seconds charged to each consumer strategy], [seconds charged to each
-    producer strategy])}); the same for every pipeline layout of this mesh, micro-batch and recompute.
+    producer strategy])}); the same for every pipeline layout, pp and dp degree of these tensor-parallel axes,
+    micro-batch and recompute.
 
     The ILP moves an edge from producer layout a to consumer key b at c(a, b) (a transportation problem
     between the two ops' choices). Charges beta_b to the consumer and alpha_a to the producer with
@@ -194,7 +197,7 @@ def _edge_minima(tg, cand, prep, cache: dict) -> list[tuple]:
     edge_time = edge_times(prep.ctx, cache)
     out = []
     for e in tg.edges:
-        memo = ("minima", e.src, e.dst, e.index, cand.mesh, cand.micro_batch, cand.recompute == "full")
+        memo = ("minima", e.src, e.dst, e.index, cand.mesh.spmd_signature, cand.micro_batch, cand.recompute == "full")
         if memo not in cache:
             src_outs = [s.output for s in prep.strategies[e.src]]
             keys = [consumer_key(st, e.index) for st in prep.strategies[e.dst]]

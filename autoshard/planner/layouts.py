@@ -18,6 +18,7 @@ embedding). The runtime maps semantic dims to tensor dims; the planner never doe
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -81,6 +82,13 @@ class MeshSpec:
     @property
     def tp_axes(self) -> tuple[str, ...]:
         return tuple(a for a, _ in self.axes if a in TP_AXES)
+
+    @functools.cached_property
+    def spmd_signature(self) -> tuple:
+        """What per-operator strategies, kernel times and tensor-parallel redistributions depend on: the
+        tensor-parallel axes and degrees (innermost, so their groups sit the same whatever pp and dp are) and
+        whether there is a dp axis; not the pipeline or data-parallel degree."""
+        return (tuple((a, d) for a, d in self.axes if a in TP_AXES), "dp" in self.names, self.degree("dp") > 1)
 
     @property
     def tp_degree(self) -> int:

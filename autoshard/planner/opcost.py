@@ -115,8 +115,8 @@ def kernel_times_s(op: Op, st: OpStrategy, ctx: PlanContext, memo: dict | None =
     if memo is None:
         return _compute_s(op, st, ctx)
     mesh = ctx.mesh
-    key = ("compute", op.name, st, ctx.micro_batch, tuple((a, mesh.degree(a)) for a in mesh.tp_axes),
-           ctx.on_dtensors, mesh.degree("dp") > 1, ctx.fused_pointwise, ctx.precision)
+    key = ("compute", op.name, st, ctx.micro_batch, mesh.spmd_signature, ctx.on_dtensors, ctx.fused_pointwise,
+           ctx.precision)
     hit = memo.get(key)
     if hit is None:
         hit = memo[key] = _compute_s(op, st, ctx)

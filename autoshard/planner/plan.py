@@ -74,6 +74,19 @@ class OpStrategy:
         if self.split < 1:
             raise ValueError(f"split must be >= 1, got {self.split}")
 
+    def __hash__(self) -> int:
+        # strategies are dict keys all over the search (memoized costs); hashing the nested layouts each time
+        # cost a tenth of it. Kept on the instance, never pickled: str hashes differ between processes.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.name, self.inputs, self.output, self.params, self.zero, self.split,
+                      self.save_sharded_input))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def to_json(self) -> dict:
         return {"name": self.name, "inputs": [x.to_json() for x in self.inputs], "output": self.output.to_json(),
                 "params": [p.to_json() for p in self.params], "zero": self.zero, "split": self.split,

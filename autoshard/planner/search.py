@@ -6,7 +6,7 @@ time bound, and solved in that order; the search stops when the next bound canno
 Each candidate then meets tighter and costlier lower bounds, and is dropped at the first that cannot beat the
 best plan (`candidate_bound.py`): kernel times at each op's fastest strategy (before pricing its strategies),
 a per-stage knapsack over the priced strategies (before writing its ILP), the LP relaxation (before solving
-it). On GPT-3 175B over 1,024 A100s: 2,955 candidates, 641 above the first bound's cut, 337 priced, 22 ILPs
+it). On GPT-3 175B over 1,024 A100s: 2,955 candidates, 641 below the first bound's cut, 337 priced, 22 ILPs
 written, 10 solved.
 Ties break on the candidate order, which is deterministic: same inputs, same plan. The objective is tokens/s
 at the given global batch, i.e. the shortest iteration.
@@ -216,7 +216,7 @@ def _strategies(graph: OpGraph, cand: Candidate, space, cache) -> dict[str, list
     dp = cand.mesh.degree("dp")
     slices = projection_head_slices(graph)
     for op in tg.ops:
-        key = (op.name, cand.mesh, cand.micro_batch)
+        key = (op.name, cand.mesh.spmd_signature, cand.micro_batch)
         if key not in cache:
             cache[key] = [s for s in strategies_for(op, cand.mesh, cand.micro_batch,
                                                     head_slices=slices.get(op.name, 0))
@@ -254,7 +254,7 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
             stopped_early = True
             break
         strategies = _strategies(graph, cand, space, cache)
-        if strategies is None or compute_bound_s(graph, cand, _context(graph, cluster, cand), strategies,
+        if strategies is None or compute_bound_s(graph, cand, _context(graph, cluster, cand, cache), strategies,
                                                  cache) >= bound:
             continue  # no strategy of some op, or kernel time alone cannot win: not worth pricing
         prepared = _prepare(graph, cluster, cand, space, cache)
@@ -283,10 +283,13 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
     return best
 
 
-def _context(graph, cluster, cand: Candidate) -> PlanContext:
+def _context(graph, cluster, cand: Candidate, cache: dict | None = None) -> PlanContext:
+    """The candidate's PlanContext; with the search's `cache`, contexts on one mesh share their memo of group
+    placements and collective times (they depend on the mesh and cluster only)."""
+    memo = {} if cache is None else cache.setdefault(("context memo", cand.mesh), {})
     return PlanContext(mesh=cand.mesh, cluster=cluster, micro_batch=cand.micro_batch,
                        num_microbatches=cand.num_microbatches, precision=default_precision(cluster),
-                       recompute=cand.recompute, seq=graph.seq_len)
+                       recompute=cand.recompute, seq=graph.seq_len, _cache=memo)
 
 
 @dataclass
@@ -303,7 +306,7 @@ def _prepare(graph, cluster, cand: Candidate, space, cache) -> _Prepared | None:
     if strategies is None:
         return None
     key = ("costs", cand.mesh, cand.micro_batch, cand.num_microbatches, cand.recompute)
-    ctx = _context(graph, cluster, cand)
+    ctx = _context(graph, cluster, cand, cache)
     if key not in cache:
         sites = op_sites(graph)
         memo = cache.setdefault("op_parts", {})
