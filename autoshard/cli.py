@@ -295,7 +295,6 @@ def _cli_message(exc: AutoshardError) -> str:
 
 def _prepare_output(path: str, param: str) -> None:
     """Every file-writing option: create the file's directory (like mkdir -p) before any work, or fail now."""
-    import os
     from pathlib import Path
 
     from autoshard.errors import ConfigurationError

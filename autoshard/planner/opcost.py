@@ -333,24 +333,18 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
     the sharded-DP unit (block) the op belongs to (`evaluate.dp_units`). `selective_keep`: in a graph with a
     fused attention kernel, whether selective recompute keeps this block op's output (`evaluate.selective_keeps`);
     None: selective recompute drops score-shaped tensors (materialized attention).
-    `memo`: a dict shared by calls on one graph and cluster (the search's), which keeps the kernel times and
-    the parameter traffic across contexts that cannot change them: kernel times do not depend on the
-    data-parallel or pipeline degree (only on whether there is one) nor on recompute, parameter traffic not on
-    the micro-batch nor recompute."""
-    fwd, bwd = kernel_times_s(op, st, ctx, memo)
+    `memo`: a dict shared by calls on one graph and cluster (the search's), which keeps what a context cannot
+    change: everything but recompute's part across recompute modes, kernel times across data-parallel and
+    pipeline degrees (they depend only on whether there is one), parameter traffic across micro-batches."""
     if memo is None:
-        params = _param_costs(op, st, ctx, unit_numel)
+        base = _recompute_free(op, st, ctx, unit_numel, None)
     else:
-        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision)
-        params = memo.get(key)
-        if params is None:
-            params = memo[key] = _param_costs(op, st, ctx, unit_numel)
-    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = params
-    copy_f, copy_b = _fsdp_copy_s(op, st, ctx)
-    fwd, bwd = fwd + copy_f, bwd + copy_b
-    nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
-    tp_f, tp_b = tp_f + nf, tp_b + nb
-    kept, dropped = _saved_bytes(op, st, ctx)
+        key = ("base", op.name, st, ctx.mesh, ctx.micro_batch, unit_numel, ctx.precision, ctx.fused_pointwise,
+               ctx.seq)
+        base = memo.get(key)
+        if base is None:
+            base = memo[key] = _recompute_free(op, st, ctx, unit_numel, memo)
+    fwd, bwd, tp_f, tp_b, dp_f, dp_b, dp_i, states, transient, comm, iter_comm, kept, dropped = base
     recompute, peak = 0.0, 0.0
     lay = st.inputs[0] if st.inputs else st.output
     first_keeps = 0.0 if block_input is None else tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(
@@ -371,7 +365,27 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
     return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
                   dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
                   optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
-                  comm=tuple(comm + ncomm), recompute_peak_bytes=peak, iter_comm=tuple(iter_comm))
+                  comm=comm, recompute_peak_bytes=peak, iter_comm=iter_comm)
+
+
+def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | None, memo: dict | None):
+    """The parts of `op_cost` that no recompute mode changes: (fwd, bwd, tp fwd, tp bwd, dp fwd, dp bwd,
+    dp per iteration seconds, (param, grad, optim) bytes, transient bytes, comm, iteration comm, bytes kept
+    for backward, bytes selective recompute drops)."""
+    fwd, bwd = kernel_times_s(op, st, ctx, memo)
+    if memo is None:
+        params = _param_costs(op, st, ctx, unit_numel)
+    else:
+        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision)
+        params = memo.get(key)
+        if params is None:
+            params = memo[key] = _param_costs(op, st, ctx, unit_numel)
+    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = params
+    copy_f, copy_b = _fsdp_copy_s(op, st, ctx)
+    nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
+    kept, dropped = _saved_bytes(op, st, ctx)
+    return (fwd + copy_f, bwd + copy_b, tp_f + nf, tp_b + nb, dp_f, dp_b, dp_i, states, transient,
+            tuple(comm + ncomm), tuple(iter_comm), kept, dropped)
 
 
 # -- edges -------------------------------------------------------------------------------------------------
