@@ -15,13 +15,12 @@ from autoshard.planner.bounds import knapsack_lp_min
 from autoshard.planner.context import PlanContext
 from autoshard.planner.evaluate import (
     inflight_microbatches,
-    loss_per_stage,
     op_sites,
     pipeline_fill,
     sink_layout,
     stage_units,
 )
-from autoshard.planner.ilp import consumer_key, edge_time_s, optimizer_s_per_state_byte
+from autoshard.planner.ilp import consumer_key, edge_time_s, fixed_stage_rows, optimizer_s_per_state_byte
 from autoshard.planner.opcost import edge_cost, kernel_times_s, repeats_forward
 from autoshard.planner.template import template_for
 
@@ -47,9 +46,8 @@ def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict
             hit = cache[key] = min(f + b + (f if again else 0.0) for f, b in times)
         fastest[op.name] = hit
     pipe = cand.pipe
-    loss_time, _ = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
-    p2p = 2 * pipe.virtual_stages * ctx.p2p_s(0.0) if pipe.degree > 1 else 0.0
-    per_stage = max(sum(tg.per_stage[name][k] * t for name, t in fastest.items()) + p2p + 2 * loss_time[k]
+    fixed, _ = fixed_stage_rows(graph, tg, stage, ctx, pipe)
+    per_stage = max(sum(tg.per_stage[name][k] * t for name, t in fastest.items()) + fixed[k]
                     for k in range(pipe.degree))
     return (cand.num_microbatches + pipeline_fill(pipe)) * per_stage
 
@@ -74,8 +72,7 @@ def knapsack_bound_s(graph, cand, prep, cap: float, cache: dict,
     units = stage_units(graph, pipe, stage)
     groups = sum(1 for a in cand.mesh.names if cand.mesh.degree(a) > 1)
     frag = 1.0 + ctx.fragmentation
-    loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
-    p2p = 2 * pipe.virtual_stages * ctx.p2p_s(0.0) if pipe.degree > 1 else 0.0  # build_problem's fixed rows
+    fixed_s, loss_bytes = fixed_stage_rows(graph, tg, stage, ctx, pipe)
     slow = 1.0 - 1.0 / ctx.gpu.overlap_slowdown
     best, minima = 0.0, None
     for edges in ("split", "receive", "send"):
@@ -85,7 +82,7 @@ def knapsack_bound_s(graph, cand, prep, cap: float, cache: dict,
             parts, transient = _stage_parts(tg, k, cand, prep, _edge_charges(tg, k, prep, minima, edges, cache))
             # R_k is at least the largest gathered buffer every strategy of some op needs
             capacity = cap - framework_overhead_bytes(groups) - frag * (loss_bytes[k] + 2 * transient)
-            fixed = weight * (p2p + 2 * loss_time[k])
+            fixed = weight * fixed_s[k]
             u = units[k]
             r = 1.0 - 1.0 / u
             for hide_f, hide_b, hide_s in _FORMS:

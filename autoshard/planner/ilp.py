@@ -73,7 +73,8 @@ from autoshard.planner.strategies import rebind
 from autoshard.planner.template import TemplateGraph, template_for
 
 __all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "relaxation_bound",
-           "extract_assignment", "expand_assignment", "edge_time_s", "optimizer_s_per_state_byte"]
+           "extract_assignment", "expand_assignment", "edge_time_s", "optimizer_s_per_state_byte",
+           "fixed_stage_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +320,15 @@ def _tied_params(lp, graph: OpGraph, tg, strategies, x) -> None:
                     lp += x[StratVar(other, i)] == 0
 
 
+def fixed_stage_rows(graph: OpGraph, tg: TemplateGraph, stage: dict[str, int], ctx: PlanContext,
+                     pipe: PipelineSpec, p2p_bytes: float = 0.0) -> tuple[list[float], list[float]]:
+    """Per pipeline stage: (seconds its time row pays whatever the strategies: p2p sends and the loss both
+    ways; bytes the loss holds). The search's lower bounds (`candidate_bound.py`) use the same rows."""
+    loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
+    p2p = 2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0
+    return [p2p + 2 * t for t in loss_time], loss_bytes
+
+
 def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategies: dict[str, list[OpStrategy]],
                   *, cap_bytes: float, minimize_memory: bool = False, p2p_bytes: float = 0.0,
                   costs: dict[str, list[OpCost]] | None = None, edge_time=None) -> Problem:
@@ -338,9 +348,7 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
     edge_terms = _edge_vars(lp, tg, strategies, x, ctx, edge_time)
     out_terms = _output_costs(tg, strategies, x, ctx, {n: stage[n] for n in tg.outputs})
     units = stage_units(graph, pipe, stage)
-    loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
-    p2p = [2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0] * pipe.degree
-    fixed = [p + 2 * t for p, t in zip(p2p, loss_time, strict=True)]  # p2p and the loss, whatever the strategies
+    fixed, loss_bytes = fixed_stage_rows(graph, tg, stage, ctx, pipe, p2p_bytes)
     T, syncs, opts = _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, fixed)
     mem = _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize_memory, loss_bytes)
     _tied_params(lp, graph, tg, strategies, x)
