@@ -1,14 +1,17 @@
-"""A lower bound on one candidate's ILP objective from its priced strategies, without writing the ILP.
+"""Lower bounds on one candidate's ILP objective, without writing the ILP.
 
-The search (`search.py`) prices a candidate's strategies (`op_cost`) before deciding whether to write and
-solve its ILP; this bound, a multiple-choice knapsack per pipeline stage in its LP relaxation, skips most
-candidates that cannot beat the best plan found so far (GPT-3 175B on 1,024 A100s: 101 LP relaxations -> 24).
-`tests/test_search_bounds.py` checks it never exceeds the ILP optimum.
+`compute_bound_s` needs only the candidate's strategies: kernel times, optionally with dual charges for the
+edges between ops; it decides whether the strategies are worth pricing (`op_cost`). `knapsack_bounds` needs
+their prices: a multiple-choice knapsack per pipeline stage in its LP relaxation, yielding a rising bound so
+the search (`search.py`) can set it aside as soon as another candidate is lower. On GPT-3 175B over 1,024
+A100s the edge charges leave 130 of 336 candidates to price, and the knapsack 11 LP relaxations to write.
+`tests/test_search_bounds.py` checks every bound stays at or below the ILP optimum.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from autoshard.cost_models.memory import framework_overhead_bytes
 from autoshard.planner.bounds import knapsack_lp_min
@@ -20,43 +23,84 @@ from autoshard.planner.evaluate import (
     sink_layout,
     stage_units,
 )
-from autoshard.planner.ilp import consumer_key, edge_time_s, fixed_stage_rows, optimizer_s_per_state_byte
+from autoshard.planner.ilp import (
+    consumer_key,
+    edge_time_s,
+    fixed_stage_rows,
+    optimizer_s_per_state_byte,
+    stage_shape,
+)
 from autoshard.planner.opcost import edge_cost, kernel_times_s, repeats_forward
 from autoshard.planner.template import template_for
 
-__all__ = ["knapsack_bound_s", "compute_bound_s", "edge_times"]
+__all__ = ["knapsack_bound_s", "knapsack_bounds", "compute_bound_s", "edge_times"]
 
 
-def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict) -> float:
-    """A lower bound on the ILP objective of `cand` from kernel times alone, before its strategies are priced:
-    (m + fill)·T with T >= F_k + B_k, each op at its fastest strategy (`kernel_times_s`), its forward counted
-    again when the recompute mode repeats it (`repeats_forward`), plus the stage's fixed rows (the loss,
-    p2p). Communication and memory count nothing, so it is looser than `knapsack_bound_s` but needs no
-    `op_cost`: the search uses it to skip pricing candidates that cannot win."""
+class _Strategies(NamedTuple):
+    """What the edge charges need of a candidate: its context and strategies (not their prices)."""
+    ctx: PlanContext
+    strategies: dict
+
+
+def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict, *, edges: bool = True) -> float:
+    """A lower bound on the ILP objective of `cand` from kernel times and edge charges, before its strategies
+    are priced: (m + fill)·T with T >= F_k + B_k + P_k + fixed_k, where each op takes the strategy that
+    minimizes its kernel times (`kernel_times_s`; the forward counted again when the recompute mode repeats
+    it, `repeats_forward`) plus, with `edges`, the dual charges of its edges (`_edge_minima`, the "split"
+    mode), and fixed_k is the stage's loss and p2p rows. Parameter traffic and memory count nothing, so it is
+    looser than `knapsack_bound_s` but needs no `op_cost`: the search uses it to skip pricing candidates that
+    cannot win (with edges: on GPT-3 175B, most 2D and 3D meshes, whose activations move between layouts at
+    every op; without, cheaper still, most candidates of a small model)."""
     tg, stage = template_for(graph, cand.pipe)
     memo = cache.setdefault("op_parts", {})
     sites = op_sites(graph)
-    fastest = {}
+    kernels = {}
     for op in tg.ops:
         again = repeats_forward(op, cand.recompute, sites[op.name]["selective_keep"], graph.seq_len)
-        key = ("fastest", op.name, cand.mesh.spmd_signature, ctx.on_dtensors, cand.micro_batch, again)
+        key = ("kernels", op.name, cand.mesh.spmd_signature, ctx.on_dtensors, cand.micro_batch, again)
         hit = cache.get(key)
         if hit is None:
-            times = [kernel_times_s(op, st, ctx, memo) for st in strategies[op.name]]
-            hit = cache[key] = min(f + b + (f if again else 0.0) for f, b in times)
-        fastest[op.name] = hit
+            hit = cache[key] = [f + b + (f if again else 0.0)
+                                for f, b in (kernel_times_s(op, st, ctx, memo) for st in strategies[op.name])]
+        kernels[op.name] = hit
     pipe = cand.pipe
     fixed, _ = fixed_stage_rows(graph, tg, stage, ctx, pipe)
-    per_stage = max(sum(tg.per_stage[name][k] * t for name, t in fastest.items()) + fixed[k]
-                    for k in range(pipe.degree))
+    view, minima = _Strategies(ctx, strategies), None
+    per_stage, names = 0.0, tuple(op.name for op in tg.ops)
+    for k in range(pipe.degree):
+        # a stage's ops and edges (the middle stages of a pipeline hold the same), on these tensor-parallel axes,
+        # micro-batch and recompute mode, whatever the pipeline and data-parallel degrees
+        key = ("stage kernels", names, tuple(tg.per_stage[name][k] for name in names),
+               tuple(e.per_stage[k] for e in tg.edges) if edges else None, cand.mesh.spmd_signature,
+               ctx.on_dtensors, cand.micro_batch, cand.recompute)
+        t = cache.get(key)
+        if t is None:
+            if not edges:
+                charges = {name: [0.0] * len(kernels[name]) for name in names if tg.per_stage[name][k]}
+            else:
+                minima = minima or _edge_minima(tg, cand, view, cache)
+                charges = _edge_charges(tg, k, view, minima, "split", cache)
+            t = cache[key] = sum(min(tg.per_stage[name][k] * kt + ch
+                                     for kt, ch in zip(kernels[name], edge_s, strict=True))
+                                 for name, edge_s in charges.items())
+        per_stage = max(per_stage, t + fixed[k])
     return (cand.num_microbatches + pipeline_fill(pipe)) * per_stage
 
 
 def knapsack_bound_s(graph, cand, prep, cap: float, cache: dict,
                      stop_at: float = math.inf) -> float:
-    """A lower bound on the ILP objective of `cand` (a search `Candidate` whose strategies and op costs are
-    `prep`, the search's `_Prepared`), per pipeline stage k, without writing the ILP
-    (returns as soon as it reaches `stop_at`). With r = 1 - 1/u_k and s = 1 - 1/slow, its constraints give
+    """`knapsack_bounds` to the end, or until it reaches `stop_at`."""
+    best = 0.0
+    for best in knapsack_bounds(graph, cand, prep, cap, cache):
+        if best >= stop_at:
+            break
+    return best
+
+
+def knapsack_bounds(graph, cand, prep, cap: float, cache: dict):
+    """Yields a lower bound on the ILP objective of `cand` (a search `Candidate` whose strategies and op costs are
+    `prep`, the search's `_Prepared`), rising with each knapsack solved (the last is the bound), without writing
+    the ILP; per pipeline stage k, with r = 1 - 1/u_k and s = 1 - 1/slow, its constraints give
         T >= F_k + B_k + P_k + (Df_k + Db_k)/u_k + Ef_k + Eb_k + fixed_k,
         Ef_k >= Df_k·r - F_k  and  Ef_k >= Df_k·r·s   (Eb_k likewise with Db_k, B_k),
         S >= G_k/u_k + S_k,  S_k >= G_k·r - B_k  and  S_k >= G_k·r·s,   O >= opt_k,
@@ -78,7 +122,7 @@ def knapsack_bound_s(graph, cand, prep, cap: float, cache: dict,
     for edges in ("split", "receive", "send"):
         if minima is None:
             minima = _edge_minima(tg, cand, prep, cache)
-        for k in _stage_order(pipe.degree):
+        for k in _stage_order(tg, pipe, m, fixed_s, loss_bytes, units):
             parts, transient = _stage_parts(tg, k, cand, prep, _edge_charges(tg, k, prep, minima, edges, cache))
             # R_k is at least the largest gathered buffer every strategy of some op needs
             capacity = cap - framework_overhead_bytes(groups) - frag * (loss_bytes[k] + 2 * transient)
@@ -91,9 +135,7 @@ def knapsack_bound_s(graph, cand, prep, cap: float, cache: dict,
                            + G / u + (G * r - B if hide_s else G * r * slow) + opt, nbytes)
                           for F, B, P, Df, Db, G, opt, nbytes in op_parts] for op_parts in parts]
                 best = max(best, fixed + knapsack_lp_min(items, capacity))
-                if best >= stop_at:
-                    return best
-    return best
+                yield best
 
 
 # (Ef, Eb, S) each bounded by its hiding row (True) or its slowdown row (False), the one that binds most
@@ -103,15 +145,25 @@ def knapsack_bound_s(graph, cand, prep, cap: float, cache: dict,
 _FORMS = ((False, False, False), (False, False, True), (True, True, True), (True, True, False))
 
 
-def _stage_order(stages: int) -> list[int]:
-    """The first stage (most micro-batches in flight, the embedding) and the last (the head and the loss)
-    bound the objective most often: try them first, so a candidate that cannot win stops early."""
-    return list(dict.fromkeys([0, stages - 1, *range(stages)]))
+def _stage_order(tg, pipe, m: int, fixed_s, loss_bytes, units) -> list[int]:
+    """The stages whose knapsack can set the bound, in the order to try them. Of stages that hold the same
+    ops, edges, loss and fixed rows (the middle stages of a pipeline), only the one with the most micro-batches
+    in flight: the same items under the least capacity. The first stage (most in flight, the embedding) and
+    the last (the head and the loss) bound the objective most often: tried first, so a candidate that cannot
+    win stops early."""
+    inflight = [inflight_microbatches(k, pipe, m) for k in range(pipe.degree)]
+    binding: dict = {}
+    for k in range(pipe.degree):
+        shape = (stage_shape(tg, k), fixed_s[k], loss_bytes[k], units[k])
+        if shape not in binding or inflight[k] > inflight[binding[shape]]:
+            binding[shape] = k
+    keep = set(binding.values())
+    return [k for k in dict.fromkeys([0, pipe.degree - 1, *range(pipe.degree)]) if k in keep]
 
 
 def _edge_charges(tg, k: int, prep, minima, edges: str, cache: dict) -> dict[str, list[float]]:
     """Seconds of edge traffic charged to each strategy of each op of stage k (see `knapsack_bound_s`)."""
-    charges = {op.name: [0.0] * len(prep.costs[op.name]) for op in tg.ops if tg.per_stage[op.name][k]}
+    charges = {op.name: [0.0] * len(prep.strategies[op.name]) for op in tg.ops if tg.per_stage[op.name][k]}
     for name, times in _output_times(tg, prep, cache).items():  # the model's outputs gathered for the loss
         if name in charges:
             charges[name] = list(times)

@@ -34,6 +34,9 @@ Constraints
       (f = 1 + allocator fragmentation, on what is allocated every step)
       (peak: a recomputed block's activations, live while that one block runs backward)
     placements of a shared parameter agree across the ops that use it                        (`_tied_params`)
+A row is written once for stages that would repeat it: the time rows of stages holding the same ops and
+edges (the middle stages of a pipeline), the memory row only for the one of them with the most micro-batches
+in flight (it bounds the others); the problem is the same, a fraction of the size.
 
 The solver (HiGHS through highspy when installed, CBC otherwise) runs with a time limit and returns its best
 incumbent. The search first solves the LP relaxation (`relaxation_bound`) and skips the integer solve when
@@ -74,7 +77,7 @@ from autoshard.planner.template import TemplateGraph, template_for
 
 __all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "relaxation_bound",
            "extract_assignment", "expand_assignment", "edge_time_s", "optimizer_s_per_state_byte",
-           "fixed_stage_rows"]
+           "fixed_stage_rows", "stage_shape"]
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class Problem:
     strategies: dict[str, list[OpStrategy]]
     costs: dict[str, list[OpCost]]
     x: dict[StratVar, pulp.LpVariable]
-    memory_exprs: list  # per stage: (terms, constant bytes)
+    memory_exprs: list  # per stage whose row can bind (see `_memory`): (terms, constant GiB)
     time_var: pulp.LpVariable
 
 
@@ -108,6 +111,21 @@ class Solution:
     objective: float
     choice: dict[str, int]  # template op -> strategy index
     solve_time_s: float
+
+
+class _LpProblem(pulp.LpProblem):
+    """PuLP's problem, whose variable list is kept between calls while no constraint was added and the
+    objective was not replaced: PuLP's solver interfaces ask for it several times per solve, and each time
+    PuLP walks every term of every constraint (a third of the time of writing and solving a 175B ILP)."""
+
+    def variables(self) -> list[pulp.LpVariable]:
+        rows = getattr(self, "_constraints", None)
+        if rows is None:  # a PuLP that keeps its constraints elsewhere: ask it every time
+            return super().variables()
+        key = (len(rows), id(self.objective))
+        if getattr(self, "_listed", (None,))[0] != key:
+            self._listed = (key, super().variables())
+        return self._listed[1]
 
 
 def _var(lp: pulp.LpProblem, name: str, **kw) -> pulp.LpVariable:
@@ -232,7 +250,12 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
     per = m if pipe.layered else 1  # layered accumulation: one gather / reduction per block and step
     slow = ctx.gpu.overlap_slowdown
     per_state_byte = optimizer_s_per_state_byte(ctx)
+    written = set()
     for k in range(pipe.degree):
+        shape = (stage_shape(tg, k), tuple(s == k for s, _ in out_terms), units[k], p2p[k])
+        if shape in written:  # the same rows as a stage already written (the middle stages of a pipeline)
+            continue
+        written.add(shape)
         fwd, bwd, tp, dpf, dpb, dpit, opt = [], [], [], [], [], [], []
         for op in tg.ops:
             n = tg.per_stage[op.name][k]
@@ -272,8 +295,16 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize, loss_b
     groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
     other = framework_overhead_bytes(groups) / GIB
     frag = 1.0 + ctx.fragmentation  # on what is allocated per step (evaluate._memory)
+    # stages that hold the same ops and loss differ only in micro-batches in flight: the one with the most
+    # bounds the others (the rest of the row is the same, and saved bytes are never negative)
+    inflight_of = [inflight_microbatches(k, pipe, ctx.num_microbatches) for k in range(pipe.degree)]
+    binding: dict = {}
     for k in range(pipe.degree):
-        inflight = inflight_microbatches(k, pipe, ctx.num_microbatches)
+        shape = (stage_shape(tg, k), loss_bytes[k])
+        if shape not in binding or inflight_of[k] > inflight_of[binding[shape]]:
+            binding[shape] = k
+    for k in sorted(binding.values()):
+        inflight = inflight_of[k]
         R = _var(lp, f"R_{k}", lowBound=0)
         terms = [(R, 2.0 * frag)]
         const = other + frag * loss_bytes[k] / GIB
@@ -292,6 +323,11 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize, loss_b
         if not minimize and math.isfinite(cap_bytes):
             lp += pulp.LpConstraint(_aff(terms), pulp.LpConstraintLE, rhs=cap_bytes / GIB - const)
     return exprs
+
+
+def stage_shape(tg: TemplateGraph, k: int) -> tuple:
+    """What stage k holds: instances of each template op and edge (the middle stages of a pipeline agree)."""
+    return tuple(tg.per_stage[op.name][k] for op in tg.ops), tuple(e.per_stage[k] for e in tg.edges)
 
 
 def _tied_params(lp, graph: OpGraph, tg, strategies, x) -> None:
@@ -336,7 +372,7 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
     `costs`: precomputed `op_cost` of each candidate (they do not depend on the pipeline layout);
     `edge_time(edge, src_layout, consumer_key)`: a memoized `edge_time_s` shared across candidates."""
     tg, stage = template_for(graph, pipe)
-    lp = pulp.LpProblem("autoshard", pulp.LpMinimize)
+    lp = _LpProblem("autoshard", pulp.LpMinimize)
     if costs is None:
         sites = op_sites(graph)
         costs = {op.name: [op_cost(op, s, ctx, **sites[op.name]) for s in strategies[op.name]]

@@ -74,12 +74,13 @@ class MeshSpec:
         return math.prod(d for _, d in self.axes)
 
     def degree(self, axis: str) -> int:
-        for name, d in self.axes:
-            if name == axis:
-                return d
-        return 1
+        return self._degrees.get(axis, 1)
 
-    @property
+    @functools.cached_property
+    def _degrees(self) -> dict[str, int]:  # asked hundreds of thousands of times per search
+        return dict(self.axes)
+
+    @functools.cached_property
     def tp_axes(self) -> tuple[str, ...]:
         return tuple(a for a, _ in self.axes if a in TP_AXES)
 

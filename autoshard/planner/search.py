@@ -1,19 +1,22 @@
 """The search around the ILP: meshes, pipeline layouts, micro-batch and recompute.
 
 Candidates are enumerated (tensor-parallel axes inside a node first, data parallel outermost, pipeline
-degrees that divide the GPUs), given a lower bound on iteration time and memory (`bounds.py`), sorted by the
-time bound, and solved in that order; the search stops when the next bound cannot beat the best plan found.
-Each candidate then meets tighter and costlier lower bounds, and is dropped at the first that cannot beat the
-best plan (`candidate_bound.py`): kernel times at each op's fastest strategy (before pricing its strategies),
-a per-stage knapsack over the priced strategies (before writing its ILP), the LP relaxation (before solving
-it). On GPT-3 175B over 1,024 A100s: 2,955 candidates, 641 below the first bound's cut, 337 priced, 22 ILPs
-written, 10 solved.
-Ties break on the candidate order, which is deterministic: same inputs, same plan. The objective is tokens/s
-at the given global batch, i.e. the shortest iteration.
+degrees that divide the GPUs) with a lower bound on iteration time and memory (`bounds.py`). Each candidate's
+bound is then tightened in steps, each tighter and costlier than the last (`candidate_bound.py`): kernel
+times at each op's fastest strategy; kernel times plus dual charges for moving activations between layouts
+(before pricing its strategies); a per-stage knapsack over the priced strategies (before writing its ILP);
+the LP relaxation of its ILP; the ILP itself. The search is best first: it always works on the candidate with
+the lowest bound so far, one step at a time, and stops when that bound cannot beat the best plan found.
+A candidate is therefore only refined while it could still be the best, and the first ILP solved is the one
+whose relaxation is lowest. On GPT-3 175B over 1,024 A100s: 2,955 candidates, 641 kernel-time bounds, 336
+with edges, 130 priced, 11 LP relaxations, 2 ILPs solved.
+Ties break on the candidate order (the bound, then the enumeration), which is deterministic: same inputs,
+same plan. The objective is tokens/s at the given global batch, i.e. the shortest iteration.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from autoshard.capture.ir import OpGraph
 from autoshard.errors import InfeasiblePlanError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
-from autoshard.planner.candidate_bound import compute_bound_s, edge_times, knapsack_bound_s
+from autoshard.planner.candidate_bound import compute_bound_s, edge_times, knapsack_bounds
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.contract import (
     largest_head_divisor,
@@ -242,33 +245,43 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
     if progress:
         progress(f"searching {len(cands)} configurations")
     best: SearchResult | None = None
+    best_index = -1
     solved, num_time_limited, stopped_early, cache = 0, 0, False, {}
     last_progress_s = t0
-    for i, cand in enumerate(cands):
-        bound = best.evaluation.prediction.iteration_time_s if best is not None else math.inf
-        if cand.time_lb_s >= bound:
+    # best first: (lower bound, candidate index, how far the bound has been tightened); a candidate's bound is
+    # tightened one step each time it is the lowest (`_tighten`) and solved when only its ILP is left
+    heap = [(cand.time_lb_s, i, _LB) for i, cand in enumerate(cands)]  # sorted by bound: already a heap
+    pending: dict[int, object] = {}  # candidate index -> what its last step computed (its prices, its ILP)
+    while heap:
+        lb, i, step = heapq.heappop(heap)
+        incumbent = best.evaluation.prediction.iteration_time_s if best is not None else math.inf
+        if lb >= incumbent:
             break
         if time.perf_counter() - t0 > budget_s and best is not None:
             log.warning("search stopped after %.0f s with %d candidates left; the plan is the best found so far",
-                        budget_s, len(cands) - i)
+                        budget_s, len({j for _, j, _ in heap}) + 1)
             stopped_early = True
             break
-        strategies = _strategies(graph, cand, space, cache)
-        if strategies is None or compute_bound_s(graph, cand, _context(graph, cluster, cand, cache), strategies,
-                                                 cache) >= bound:
-            continue  # no strategy of some op, or kernel time alone cannot win: not worth pricing
-        prepared = _prepare(graph, cluster, cand, space, cache)
-        if prepared is None or not _may_beat(graph, cand, prepared, cap, bound, cache):
+        cand = cands[i]
+        if step != _ILP:
+            # the knapsack's bound rises as it goes: stop where it passes the next candidate, resume when this one
+            # is the lowest again
+            target = min(incumbent, heap[0][0]) if heap else incumbent
+            tighter, done = _tighten(graph, cluster, cand, step, space, cap, target, cache, pending, i)
+            if tighter is not None and tighter < incumbent:
+                heapq.heappush(heap, (max(lb, tighter), i, step + 1 if done else step))
+            else:
+                pending.pop(i, None)
             continue
-        result = _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prepared, bound, cache)
+        problem, prepared = pending.pop(i)
+        result = _solve_problem(graph, cand, global_batch, cap, time_limit_s, prepared, problem)
         solved += result is not None
         num_time_limited += result is not None and not result.optimal
         if progress and time.perf_counter() - last_progress_s >= _PROGRESS_EVERY_S:
             last_progress_s = time.perf_counter()
-            progress(f"searched {solved} configurations ({i + 1}/{len(cands)} by bound)")
-        if result is not None and (best is None or result.evaluation.prediction.iteration_time_s <
-                                   best.evaluation.prediction.iteration_time_s):
-            best = result
+            progress(f"searched {solved} configurations ({len(cands) - len(heap)}/{len(cands)} by bound)")
+        if result is not None and (result.evaluation.prediction.iteration_time_s, i) < (incumbent, best_index):
+            best, best_index = result, i
     if best is None:
         raise _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned)
     if num_time_limited:  # one warning for the whole search, not one per ILP
@@ -315,17 +328,45 @@ def _prepare(graph, cluster, cand: Candidate, space, cache) -> _Prepared | None:
     return _Prepared(ctx=ctx, strategies=strategies, costs=cache[key])
 
 
-def _may_beat(graph, cand: Candidate, prep: _Prepared, cap: float, bound: float, cache: dict) -> bool:
-    return knapsack_bound_s(graph, cand, prep, cap, cache, stop_at=bound) < bound
+# the steps of a candidate's bound (see the module docstring): `enumerate_candidates`' bound, kernel times,
+# kernel times and edge charges, the knapsack over its priced strategies, the LP relaxation of its ILP, then
+# the ILP itself
+_LB, _KERNELS, _EDGES, _KNAPSACK, _ILP = 0, 1, 2, 3, 4
 
 
-def _solve_candidate(graph, cluster, cand, global_batch, cap, time_limit_s, prep: _Prepared,
-                     bound: float = math.inf, cache: dict | None = None) -> SearchResult | None:
+def _tighten(graph, cluster, cand: Candidate, step: int, space, cap: float, target: float, cache: dict,
+             pending: dict, i: int) -> tuple[float | None, bool]:
+    """(the candidate's next lower bound after `step`, None when it has no plan; whether that step is done).
+    The knapsack step stops once its bound reaches `target` and resumes on the next call; what a later step
+    reuses (the prices, the knapsack under way, the written ILP) is kept in pending[i]."""
+    if step in (_LB, _KERNELS):
+        strategies = _strategies(graph, cand, space, cache)
+        if strategies is None:
+            return None, True  # no strategy of some op
+        return compute_bound_s(graph, cand, _context(graph, cluster, cand, cache), strategies, cache,
+                               edges=step == _KERNELS), True
+    if step == _EDGES:
+        if i not in pending:
+            prepared = _prepare(graph, cluster, cand, space, cache)
+            if prepared is None:
+                return None, True
+            pending[i] = (prepared, knapsack_bounds(graph, cand, prepared, cap, cache), 0.0)
+        prepared, bounds, value = pending[i]
+        for value in bounds:
+            if value >= target:
+                pending[i] = (prepared, bounds, value)
+                return value, False
+        pending[i] = prepared
+        return value, True
+    prepared = pending[i]
+    problem = build_problem(graph, prepared.ctx, cand.pipe, prepared.strategies, cap_bytes=cap, costs=prepared.costs,
+                            edge_time=edge_times(prepared.ctx, cache))
+    pending[i] = (problem, prepared)
+    return relaxation_bound(problem), True
+
+
+def _solve_problem(graph, cand, global_batch, cap, time_limit_s, prep: _Prepared, problem) -> SearchResult | None:
     ctx, strategies = prep.ctx, prep.strategies
-    problem = build_problem(graph, ctx, cand.pipe, strategies, cap_bytes=cap, costs=prep.costs,
-                            edge_time=edge_times(ctx, cache if cache is not None else {}))
-    if relaxation_bound(problem) >= bound:
-        return None
     sol = solve(problem, time_limit_s=time_limit_s)
     if sol.status == "infeasible":
         return None
