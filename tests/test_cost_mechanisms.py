@@ -94,6 +94,28 @@ def test_eager_kernels_read_and_write_every_intermediate(llama):
     assert op_cost(norm, st, eager).fwd_s > 3 * op_cost(norm, st, fused).fwd_s
 
 
+def test_fused_kernels_run_the_scale_and_mask_of_materialized_scores_inside_the_softmax():
+    """Megatron-LM's FusedScaleMaskSoftmax: the (B, heads, s, s) scores are read once by the softmax kernel,
+    not first by a scale and a mask of their own; eager PyTorch runs those as kernels of their own."""
+    from autoshard.api import load_graph
+    from autoshard.capture.ir import OpKind
+    from autoshard.planner.opcost import score_shaped
+
+    graph = load_graph("gpt:layers=2,hidden=512,heads=8,seq=1024,vocab=8192", attention="eager")
+    scaled = [o for o in graph.ops if o.kind is OpKind.ELEMENTWISE and score_shaped(o.output_meta, graph.seq_len)]
+    softmax = next(o for o in graph.ops if o.kind is OpKind.SOFTMAX)
+    assert scaled  # the model scales (and masks) its scores before the softmax
+    cluster = ClusterSpec.parse("1x8xA100-80GB")
+    kw = {"mesh": MeshSpec.of(dp=8), "cluster": cluster, "micro_batch": 4, "seq": graph.seq_len}
+    eager, fused = PlanContext(**kw), PlanContext(**kw, fused_pointwise=True)
+    for op in scaled:
+        st = strategies_for(op, eager.mesh, 4)[0]
+        assert op_cost(op, st, eager).fwd_s > 0
+        assert op_cost(op, st, fused).time_s == 0.0
+    st = strategies_for(softmax, eager.mesh, 4)[0]
+    assert op_cost(softmax, st, fused).fwd_s > 0  # the softmax still reads the scores and writes the probabilities
+
+
 # -- recompute and memory -------------------------------------------------------------------------------------
 def test_selective_recompute_with_fused_attention_keeps_attention_and_every_other_matmul(llama):
     keeps = selective_keeps(llama)

@@ -173,6 +173,11 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
         k = max(1, op.fwd_flops // max(1, 2 * math.prod(out)))
         fwd = gemm_time_s(m, n, k, gpu, batch=batch, bytes_per_elem=prec.act_bytes)
         return fwd, 2 * fwd
+    if ctx.fused_pointwise and op.kind is OpKind.ELEMENTWISE and score_shaped(op.output_meta, ctx.seq):
+        # the scale and mask of materialized attention scores run inside the softmax kernel that reads them
+        # (Megatron-LM's FusedScaleMaskSoftmax, Narayanan et al. 2021 sec. 5.8; Inductor fuses pointwise
+        # producers into a reduction's prologue): no pass of their own over the (B, heads, s, s) tensor
+        return 0.0, 0.0
     nbytes = sum(tensor_bytes(t, prec, samples=mb) for t in (*op.input_meta, op.output_meta)) / split
     kernels = 1
     if op.kind is OpKind.EMBEDDING:
