@@ -136,3 +136,11 @@ def compare_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Run every case on this rank (all ranks run the same cases in the same order)."""
     return [_one_case(c) for c in cases]
 
+
+
+def fail_on_rank(rank: int, world: int, failing: int) -> int:
+    """Every rank joins a barrier; then `failing` raises (the harness's own failure reporting is under test)."""
+    dist.barrier()
+    if rank == failing:
+        raise ValueError(f"simulated failure of rank {rank}")
+    return rank

@@ -103,9 +103,21 @@ def _collect(tmp: str, world: int) -> list:
     found = {r: pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)
              if Path(tmp, f"{r}.pkl").exists()}
     for r, (status, value) in sorted(found.items()):
-        if status == "error":
-            raise RuntimeError(f"rank {r} failed:\n{value}")
+        if status == "error":  # the first failure in full, and how every rank ended (a rank that timed out in
+            # a collective leaves, and its peers then fail with "connection reset": the first error is not always
+            # the cause)
+            raise RuntimeError(f"rank {r} failed:\n{value}\nevery rank: {_summary(found, world)}")
     missing = sorted(set(range(world)) - set(found))
     if missing:
         raise RuntimeError(f"ranks {missing} exited without a result (killed, or crashed in native code)")
     return [found[r][1] for r in range(world)]
+
+
+def _summary(found: dict, world: int) -> str:
+    """How each rank ended, one clause each: ok, the last line of its error, or no result."""
+    def one(r: int) -> str:
+        if r not in found:
+            return f"rank {r} no result (killed, or crashed in native code)"
+        status, value = found[r]
+        return f"rank {r} ok" if status == "ok" else f"rank {r} {(value.strip().splitlines() or ['error'])[-1]}"
+    return "; ".join(one(r) for r in range(world))

@@ -14,9 +14,12 @@ A plan made for another world size is covered by test_runtime_contract.py
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
+from dist_checks import fail_on_rank
 from dist_ckpt import BATCH, rank_fails_in_train_step, run_outcomes
+from dist_harness import run_world
 from dist_models import build, example_batch
 from dist_plans import make_plan
 
@@ -98,3 +101,16 @@ def test_killed_rank_is_named_from_its_stopped_heartbeat():
         # rank 1's sockets closed: the peers wait for a failure record (2 s), then read the heartbeats over
         # 2.5 beats (5 s), not for the collective timeout
         assert outcome["elapsed_s"] < LONG_TIMEOUT_S / 2
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_world_reports_the_first_error_and_how_every_rank_ended():
+    # a rank that times out in a collective leaves, and its peers then fail with "connection reset": the first
+    # traceback is not always the cause, so the report ends with every rank's outcome
+    with pytest.raises(RuntimeError) as err:
+        run_world(fail_on_rank, 2, 1, timeout_s=90)
+    message = str(err.value)
+    assert message.startswith("rank 1 failed:") and "Traceback" in message
+    summary = message.rsplit("every rank: ", 1)[1]
+    assert re.fullmatch(r"rank 0 (ok|no result \(killed, or crashed in native code\)); "
+                        r"rank 1 ValueError: simulated failure of rank 1", summary), summary
