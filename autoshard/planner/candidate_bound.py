@@ -24,11 +24,11 @@ from autoshard.planner.evaluate import (
     stage_units,
 )
 from autoshard.planner.ilp import (
+    binding_stages,
     consumer_key,
     edge_time_s,
     fixed_stage_rows,
     optimizer_s_per_state_byte,
-    stage_shape,
 )
 from autoshard.planner.opcost import edge_cost, kernel_times_s, repeats_forward
 from autoshard.planner.template import template_for
@@ -78,7 +78,8 @@ def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict
             if not edges:
                 charges = {name: [0.0] * len(kernels[name]) for name in names if tg.per_stage[name][k]}
             else:
-                minima = minima or _edge_minima(tg, cand, view, cache)
+                if minima is None:
+                    minima = _edge_minima(tg, cand, view, cache)
                 charges = _edge_charges(tg, k, view, minima, "split", cache)
             t = cache[key] = sum(min(tg.per_stage[name][k] * kt + ch
                                      for kt, ch in zip(kernels[name], edge_s, strict=True))
@@ -148,16 +149,10 @@ _FORMS = ((False, False, False), (False, False, True), (True, True, True), (True
 def _stage_order(tg, pipe, m: int, fixed_s, loss_bytes, units) -> list[int]:
     """The stages whose knapsack can set the bound, in the order to try them. Of stages that hold the same
     ops, edges, loss and fixed rows (the middle stages of a pipeline), only the one with the most micro-batches
-    in flight: the same items under the least capacity. The first stage (most in flight, the embedding) and
-    the last (the head and the loss) bound the objective most often: tried first, so a candidate that cannot
-    win stops early."""
-    inflight = [inflight_microbatches(k, pipe, m) for k in range(pipe.degree)]
-    binding: dict = {}
-    for k in range(pipe.degree):
-        shape = (stage_shape(tg, k), fixed_s[k], loss_bytes[k], units[k])
-        if shape not in binding or inflight[k] > inflight[binding[shape]]:
-            binding[shape] = k
-    keep = set(binding.values())
+    in flight (`binding_stages`): the same items under the least capacity. The first stage (most in flight,
+    the embedding) and the last (the head and the loss) bound the objective most often: tried first, so a
+    candidate that cannot win stops early."""
+    keep = binding_stages(tg, pipe, m, fixed_s, loss_bytes, units)
     return [k for k in dict.fromkeys([0, pipe.degree - 1, *range(pipe.degree)]) if k in keep]
 
 

@@ -77,7 +77,7 @@ from autoshard.planner.template import TemplateGraph, template_for
 
 __all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "relaxation_bound",
            "extract_assignment", "expand_assignment", "edge_time_s", "optimizer_s_per_state_byte",
-           "fixed_stage_rows", "stage_shape"]
+           "fixed_stage_rows", "stage_shape", "binding_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -111,21 +111,6 @@ class Solution:
     objective: float
     choice: dict[str, int]  # template op -> strategy index
     solve_time_s: float
-
-
-class _LpProblem(pulp.LpProblem):
-    """PuLP's problem, whose variable list is kept between calls while no constraint was added and the
-    objective was not replaced: PuLP's solver interfaces ask for it several times per solve, and each time
-    PuLP walks every term of every constraint (a third of the time of writing and solving a 175B ILP)."""
-
-    def variables(self) -> list[pulp.LpVariable]:
-        rows = getattr(self, "_constraints", None)
-        if rows is None:  # a PuLP that keeps its constraints elsewhere: ask it every time
-            return super().variables()
-        key = (len(rows), id(self.objective))
-        if getattr(self, "_listed", (None,))[0] != key:
-            self._listed = (key, super().variables())
-        return self._listed[1]
 
 
 def _var(lp: pulp.LpProblem, name: str, **kw) -> pulp.LpVariable:
@@ -295,16 +280,8 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize, loss_b
     groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
     other = framework_overhead_bytes(groups) / GIB
     frag = 1.0 + ctx.fragmentation  # on what is allocated per step (evaluate._memory)
-    # stages that hold the same ops and loss differ only in micro-batches in flight: the one with the most
-    # bounds the others (the rest of the row is the same, and saved bytes are never negative)
-    inflight_of = [inflight_microbatches(k, pipe, ctx.num_microbatches) for k in range(pipe.degree)]
-    binding: dict = {}
-    for k in range(pipe.degree):
-        shape = (stage_shape(tg, k), loss_bytes[k])
-        if shape not in binding or inflight_of[k] > inflight_of[binding[shape]]:
-            binding[shape] = k
-    for k in sorted(binding.values()):
-        inflight = inflight_of[k]
+    for k in sorted(binding_stages(tg, pipe, ctx.num_microbatches, loss_bytes)):
+        inflight = inflight_microbatches(k, pipe, ctx.num_microbatches)
         R = _var(lp, f"R_{k}", lowBound=0)
         terms = [(R, 2.0 * frag)]
         const = other + frag * loss_bytes[k] / GIB
@@ -328,6 +305,19 @@ def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize, loss_b
 def stage_shape(tg: TemplateGraph, k: int) -> tuple:
     """What stage k holds: instances of each template op and edge (the middle stages of a pipeline agree)."""
     return tuple(tg.per_stage[op.name][k] for op in tg.ops), tuple(e.per_stage[k] for e in tg.edges)
+
+
+def binding_stages(tg: TemplateGraph, pipe: PipelineSpec, m: int, *per_stage) -> set[int]:
+    """Stages whose memory row can bind: of stages that hold the same ops and edges (`stage_shape`) and the
+    same value in each list of `per_stage`, the one with the most micro-batches in flight (the rest of its row
+    is the same, and saved bytes are never negative, so it bounds the others)."""
+    inflight = [inflight_microbatches(k, pipe, m) for k in range(pipe.degree)]
+    binding: dict = {}
+    for k in range(pipe.degree):
+        shape = (stage_shape(tg, k), *(values[k] for values in per_stage))
+        if shape not in binding or inflight[k] > inflight[binding[shape]]:
+            binding[shape] = k
+    return set(binding.values())
 
 
 def _tied_params(lp, graph: OpGraph, tg, strategies, x) -> None:
@@ -372,7 +362,7 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
     `costs`: precomputed `op_cost` of each candidate (they do not depend on the pipeline layout);
     `edge_time(edge, src_layout, consumer_key)`: a memoized `edge_time_s` shared across candidates."""
     tg, stage = template_for(graph, pipe)
-    lp = _LpProblem("autoshard", pulp.LpMinimize)
+    lp = pulp.LpProblem("autoshard", pulp.LpMinimize)
     if costs is None:
         sites = op_sites(graph)
         costs = {op.name: [op_cost(op, s, ctx, **sites[op.name]) for s in strategies[op.name]]

@@ -35,7 +35,7 @@ from autoshard.planner.context import PlanContext
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
 from autoshard.planner.plan import OpStrategy
 
-__all__ = ["OpCost", "EdgeCost", "op_cost", "kernel_times_s", "param_costs", "repeats_forward", "edge_cost", "grad_partial_axes", "score_shaped"]
+__all__ = ["OpCost", "EdgeCost", "op_cost", "kernel_times_s", "repeats_forward", "edge_cost", "grad_partial_axes", "score_shaped"]
 
 _TOKEN = (BATCH, SEQ)
 # pointwise ATen ops that evaluate a transcendental function per element (GPUProfile.transcendental_gelem_per_s)
@@ -196,18 +196,6 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
 
 
 # -- parameters ---------------------------------------------------------------------------------------------
-def param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | None = None,
-                memo: dict | None = None):
-    """`_param_costs`, kept in `memo` (see `op_cost`) by op, strategy, mesh, FSDP unit and precision."""
-    if memo is None:
-        return _param_costs(op, st, ctx, unit_numel)
-    key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision)
-    hit = memo.get(key)
-    if hit is None:
-        hit = memo[key] = _param_costs(op, st, ctx, unit_numel)
-    return hit
-
-
 def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | None = None):
     """(states, tp fwd/bwd s, dp fwd/bwd/iter s, transient bytes, comm records) of the op's parameters.
     `unit_numel`: parameters of the FSDP unit the op belongs to (its block); None: the op is its own unit."""
@@ -390,7 +378,14 @@ def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float 
     dp per iteration seconds, (param, grad, optim) bytes, transient bytes, comm, iteration comm, bytes kept
     for backward, bytes selective recompute drops)."""
     fwd, bwd = kernel_times_s(op, st, ctx, memo)
-    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = param_costs(op, st, ctx, unit_numel, memo)
+    if memo is None:
+        params = _param_costs(op, st, ctx, unit_numel)
+    else:
+        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision)
+        params = memo.get(key)
+        if params is None:
+            params = memo[key] = _param_costs(op, st, ctx, unit_numel)
+    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = params
     copy_f, copy_b = _fsdp_copy_s(op, st, ctx)
     nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
     kept, dropped = _saved_bytes(op, st, ctx)
