@@ -37,6 +37,25 @@ def test_overlap_is_never_free_on_the_datasheet_gpus():
         assert load_gpu(name).overlap_slowdown > 1.0
 
 
+# -- sustained tensor-core rate ------------------------------------------------------------------------------
+def test_hopper_matmuls_run_at_the_sustained_clock_and_memory_bound_kernels_do_not():
+    import dataclasses
+
+    from autoshard.cost_models.compute import fused_attention_time_s, memory_bound_time_s
+
+    h100 = load_gpu("H100-80GB")
+    burst = dataclasses.replace(h100, sustained_tensor_fraction=1.0)
+    launch = h100.kernel_launch_us * 1e-6
+    assert h100.sustained_tensor_fraction == pytest.approx(698.6 / 823.9, abs=1e-3)  # H200 MSMF / MAMF, 8 busy
+    assert (gemm_time_s(8192, 8192, 8192, h100) - launch) == pytest.approx(
+        (gemm_time_s(8192, 8192, 8192, burst) - launch) / h100.sustained_tensor_fraction)
+    assert (fused_attention_time_s(1e13, 1e6, h100) - launch) == pytest.approx(
+        (fused_attention_time_s(1e13, 1e6, burst) - launch) / h100.sustained_tensor_fraction)
+    assert memory_bound_time_s(1e9, h100) == memory_bound_time_s(1e9, burst)
+    # no sustained measurement for A100: its benchmarked rates stand (not silently derated)
+    assert load_gpu("A100-80GB").sustained_tensor_fraction == 1.0
+
+
 # -- data-parallel units -------------------------------------------------------------------------------------
 def test_zero3_collectives_pay_their_latency_once_per_block_not_per_op(llama):
     cluster = ClusterSpec.parse("16x8xA100-80GB")

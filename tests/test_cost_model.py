@@ -1,5 +1,6 @@
 """The cost model against the closed forms of REFERENCES.md and against measurements."""
 
+import dataclasses
 import math
 
 import pytest
@@ -138,7 +139,8 @@ H100_MEASURED = {(1, 4096, 4096, 4096): 783.3, (1, 2048, 2048, 2048): 632.0, (1,
 
 
 def test_gemm_model_matches_measured_h100_throughput_within_10_percent():
-    gpu = load_gpu("H100-80GB")
+    # XLA's table times GEMMs in bursts, at boost clock: compare with the profile's burst rates
+    gpu = dataclasses.replace(load_gpu("H100-80GB"), sustained_tensor_fraction=1.0)
     ratios = []
     for (b, m, n, k), tflops in H100_MEASURED.items():
         predicted = 2 * b * m * n * k / gemm_time_s(m, n, k, gpu, batch=b) / 1e12

@@ -59,6 +59,16 @@ class GPUProfile:
     # Elements per second (billions) of a transcendental pointwise kernel (tanh-GELU, SiLU, exp): on CPU ranks
     # these run well below memory bandwidth. 0: such kernels are memory-bound like any other (GPUs).
     transcendental_gelem_per_s: float = 0.0
+    # Tensor-core work (GEMMs, fused attention) sustains this fraction of the burst rates above once the GPU sits
+    # at its power limit with every GPU of the node busy: a GEMM benchmark's best shape runs at boost clock,
+    # training holds the GPU at its power cap and a lower clock (ml-engineering's MSMF / MAMF). 1.0: no such
+    # measurement (the burst rate is taken as sustained), and for profiles measured under load.
+    sustained_tensor_fraction: float = 1.0
+
+    @property
+    def sustained_tflops(self) -> float:
+        """The dense tensor-core peak at the clock the GPU sustains in training (TFLOP/s)."""
+        return self.peak_tflops * self.sustained_tensor_fraction
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_networks", tuple(self.allowed_networks))  # YAML gives a list
@@ -72,7 +82,8 @@ class GPUProfile:
         for name in ("peak_tflops", "fp32_tflops", "hbm_gbps", "memory_gib", "kernel_launch_us"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPU profile {self.name}: {name} must be positive")
-        for name in ("max_gemm_efficiency", "hbm_efficiency", "memory_efficient_attention_efficiency"):
+        for name in ("max_gemm_efficiency", "hbm_efficiency", "memory_efficient_attention_efficiency",
+                     "sustained_tensor_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"GPU profile {self.name}: {name} must be in (0, 1]")
 

@@ -101,8 +101,8 @@ def time_lower_bound_s(graph: OpGraph, gpu, precision: Precision, *, tp_degree: 
     if recompute == "selective":
         gemm += t.score_fwd + t.sac_gemm_fwd
         io += t.sac_io_block
-    peak = gpu.peak_tflops * 1e12 * gpu.max_gemm_efficiency
-    attn_peak = gpu.peak_tflops * 1e12 * max(attention_efficiency(gpu, k) for k in ("flash", "masked"))
+    peak = gpu.sustained_tflops * 1e12 * gpu.max_gemm_efficiency
+    attn_peak = gpu.sustained_tflops * 1e12 * max(attention_efficiency(gpu, k) for k in ("flash", "masked"))
     per_sample = gemm / peak + attn / attn_peak + \
         io * precision.act_bytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
     per_mb_stage = per_sample * micro_batch / (tp_degree * pp)
