@@ -60,9 +60,9 @@ class GPUProfile:
     # these run well below memory bandwidth. 0: such kernels are memory-bound like any other (GPUs).
     transcendental_gelem_per_s: float = 0.0
     # Tensor-core work (GEMMs, fused attention) sustains this fraction of the burst rates above once the GPU sits
-    # at its power limit with every GPU of the node busy: a GEMM benchmark's best shape runs at boost clock,
-    # training holds the GPU at its power cap and a lower clock (ml-engineering's MSMF / MAMF). 1.0: no such
-    # measurement (the burst rate is taken as sustained), and for profiles measured under load.
+    # at its power limit: a kernel benchmark runs at boost clock, training holds the GPU at its power cap and a
+    # lower SM clock (measured as the best sustained GEMM over the best burst, e.g. ml-engineering's MSMF / MAMF).
+    # 1.0: no such measurement (the burst rate is taken as sustained), and for profiles measured under load.
     sustained_tensor_fraction: float = 1.0
 
     @property
