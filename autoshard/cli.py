@@ -249,13 +249,16 @@ def _cmd_hardware(args) -> int:
     from autoshard.hardware_profiles import hardware_table
 
     table = hardware_table()
-    lines = [f"{'GPU':16s}{'bf16 TF':>9s}{'HBM GB/s':>10s}{'GiB':>8s}  default node"]
+    lines = [f"{'GPU':16s}{'bf16 TF':>9s}{'GEMM TF':>9s}{'HBM GB/s':>10s}{'GiB':>8s}  default node"]
     for g in table["gpus"]:
-        lines.append(f"{g['name']:16s}{g['peak_tflops']:9.1f}{g['hbm_gbps']:10.0f}{g['memory_gib']:8.1f}  "
+        lines.append(f"{g['name']:16s}{g['peak_tflops']:9.1f}{g['gemm_tflops_sustained']:9.1f}{g['hbm_gbps']:10.0f}"
+                     f"{g['memory_gib']:8.1f}  "
                      f"{g.get('gpus_per_node', '')} per node, {g.get('intra_node', '')} + {g.get('inter_node', '')}")
     lines.append(f"\n{'link':18s}{'scope':>7s}{'all-reduce GB/s':>17s}{'latency us':>12s}")
     for lk in table["links"]:
         lines.append(f"{lk['name']:18s}{lk['scope']:>7s}{lk['all_reduce_busbw_gbps']:17.1f}{lk['latency_us']:12.1f}")
+    lines.append("\nbf16 TF: datasheet dense peak; GEMM TF: the best large GEMM at the clock a GPU sustains at its "
+                 "power limit (what estimates use)")
     _emit(args, table, "\n".join(lines))
     return 0
 
