@@ -264,9 +264,8 @@ def same_layout(recs: list[dict]) -> list[tuple[str, str, float, float]]:
     def key(r):
         c = r["command"].split()
         opt = {c[i]: c[i + 1] for i in range(len(c) - 1) if c[i].startswith("--")}
-        return (c[2], opt.get("--tp"), opt.get("--pp"), opt.get("--micro-batch"), opt.get("--recompute")), \
-            int(opt["--dp"]), \
-            int(opt["--global-batch"])
+        layout = (c[2], opt.get("--tp"), opt.get("--pp"), opt.get("--micro-batch"), opt.get("--recompute"))
+        return layout, int(opt["--dp"]), int(opt["--global-batch"])
     rows = {}
     for r in recs:
         engine = next((e for p, e in _ENGINES.items() if r["id"].startswith(p)), None)
