@@ -77,7 +77,7 @@ def prediction_json(pred) -> dict:
     }
 
 
-def _prediction_text(pred, cluster) -> list[str]:
+def _prediction_text(pred, cluster, plan=None) -> list[str]:
     mem = pred.memory.gib()
     cap = cluster.device_memory_bytes / 2**30
     return [
@@ -87,14 +87,15 @@ def _prediction_text(pred, cluster) -> list[str]:
         "time breakdown   " + ", ".join(f"{k} {v:.3f} s" for k, v in pred.time.seconds().items() if v > 0),
         f"memory per GPU   {mem['total']:.1f} of {cap:.0f} GiB: " + ", ".join(
             f"{k} {v:.1f}" for k, v in mem.items() if k != "total" and v > 0.005),
-        *(f"caution          {w}" for w in _warnings(pred, cluster)),
+        *(f"caution          {w}" for w in _warnings(pred, cluster, plan)),
     ]
 
 
-def _warnings(pred, cluster) -> list[str]:
-    from autoshard.planner.envelope import envelope_warnings
+def _warnings(pred, cluster, plan=None) -> list[str]:
+    from autoshard.planner.envelope import envelope_warnings, sequence_warnings
 
-    return envelope_warnings(pred.mfu, cluster.gpu.name)
+    seq = sequence_warnings(plan.seq, cluster.gpu.name, plan.attention) if plan is not None else []
+    return envelope_warnings(pred.mfu, cluster.gpu.name) + seq
 
 
 def _attention_kernel(plan) -> str:
@@ -120,7 +121,7 @@ def _cmd_estimate(args) -> int:
                          "virtual_stages": plan.pipeline.virtual_stages,
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
-            **prediction_json(pred), "warnings": _warnings(pred, cluster)}
+            **prediction_json(pred), "warnings": _warnings(pred, cluster, plan)}
     from autoshard.planner.explain import batch_label
 
     head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch "
@@ -136,7 +137,7 @@ def _cmd_estimate(args) -> int:
         data["plan_file"] = args.output
         head.append(f"plan written to  {args.output} (run it: torchrun --nproc-per-node {plan.mesh.size} "
                     f"-m autoshard measure {args.output})")
-    _emit(args, data, "\n".join(head + _prediction_text(pred, cluster)))
+    _emit(args, data, "\n".join(head + _prediction_text(pred, cluster, plan)))
     return 0
 
 
@@ -163,7 +164,7 @@ def _cmd_plan(args) -> int:
             "recompute": plan.recompute, "attention": plan.attention, "pipeline": {"degree": plan.pipeline.degree,
                                                       "schedule": plan.pipeline.schedule,
                                                       "virtual_stages": plan.pipeline.virtual_stages},
-            "predicted": {**_pred_row(pred), **prediction_json(pred)}, "warnings": _warnings(pred, cluster),
+            "predicted": {**_pred_row(pred), **prediction_json(pred)}, "warnings": _warnings(pred, cluster, plan),
             "ops": explain_rows(plan), "layer_groups": explain_groups(plan),
             "baselines": {k: _pred_row(b.prediction) for k, b in baselines.items()},
             "baseline_configs": {k: b.config or b.note for k, b in baselines.items()},
@@ -195,7 +196,7 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
              f"micro-batch      {batch_label(plan.micro_batch, plan.num_microbatches)}, recompute {plan.recompute}"
              + (", layered gradient accumulation" if pipe.layered else ""),
              f"attention        {_attention_kernel(plan)}",
-             *_prediction_text(pred, cluster), "", "strategies per operator:", *("  " + t for t in table), "",
+             *_prediction_text(pred, cluster, plan), "", "strategies per operator:", *("  " + t for t in table), "",
              f"{'':14s}{'tokens/s':>14s}{'MFU':>8s}{'GiB/GPU':>9s}  configuration",
              f"{'plan':14s}{pred.tokens_per_s:14,.0f}{pred.mfu * 100:7.1f}%{pred.memory.total_bytes / 2**30:9.1f}"]
     for name, b in baselines.items():

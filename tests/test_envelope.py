@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from autoshard.planner.envelope import PUBLISHED_MFU, envelope_warnings, gpu_family
+from autoshard.planner.envelope import LONG_SEQUENCE, PUBLISHED_MFU, envelope_warnings, gpu_family, sequence_warnings
 
 
 def test_mfu_above_the_best_published_run_on_its_gpu_is_flagged_and_names_the_run():
@@ -17,6 +17,15 @@ def test_mfu_above_the_best_published_run_on_its_gpu_is_flagged_and_names_the_ru
 def test_h200_is_bounded_by_h100_runs_and_gpus_without_published_runs_get_no_warning():
     assert gpu_family("H200-141GB") == "H100"
     assert envelope_warnings(0.9, "cpu") == [] and envelope_warnings(0.9, "RTX5000-16GB") == []
+
+
+def test_fused_attention_at_long_sequences_is_flagged_where_published_runs_were_missed():
+    (line,) = sequence_warnings(32768, "H100-80GB", "flash")
+    assert "32,768 tokens" in line and "pessimistic" in line and "published_validation.md" in line
+    assert sequence_warnings(LONG_SEQUENCE, "A100-80GB", "masked")
+    assert sequence_warnings(LONG_SEQUENCE - 1, "A100-80GB", "flash") == []
+    assert sequence_warnings(32768, "A100-80GB", "eager") == []  # materialized scores: not what the sweep ran
+    assert sequence_warnings(32768, "cpu", "flash") == [] and sequence_warnings(None, "A100-80GB", "flash") == []
 
 
 def test_estimate_prints_the_warning_in_text_and_json():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Ceiling", "PUBLISHED_MFU", "gpu_family", "envelope_warnings"]
+__all__ = ["Ceiling", "PUBLISHED_MFU", "LONG_SEQUENCE", "gpu_family", "envelope_warnings", "sequence_warnings"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +44,19 @@ def envelope_warnings(mfu: float, gpu_name: str) -> list[str]:
         return []
     return [f"predicted MFU {mfu:.1%} is above the best published run on {family} ({ceiling.mfu:.1%}: "
             f"{ceiling.source}); treat it as optimistic until measured (autoshard measure)"]
+
+
+# From this many tokens per sequence a fused attention kernel is most of a decoder's step, and the one published
+# sweep over sequence length (llm-foundry's MPT runs on 8 A100s / 8 H100s, 512-65,536 tokens; rows mptseq_* of
+# references/more_published_runs.csv) is predicted too slow there: the error climbs with the length
+# (benchmarks/published_validation.md, "Error by sequence length").
+LONG_SEQUENCE = 16384
+
+
+def sequence_warnings(seq: int | None, gpu_name: str, attention: str | None) -> list[str]:
+    """One line when a fused-attention prediction is at a sequence length where published runs were missed."""
+    if not seq or seq < LONG_SEQUENCE or attention not in ("flash", "masked") or gpu_family(gpu_name) is None:
+        return []
+    return [f"at {seq:,} tokens per sequence attention dominates the step, and published runs from "
+            f"{LONG_SEQUENCE:,} tokens up were predicted too slow (benchmarks/published_validation.md, 'Error by "
+            "sequence length'); treat this prediction as pessimistic until measured (autoshard measure)"]
