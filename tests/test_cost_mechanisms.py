@@ -59,6 +59,36 @@ def test_tensor_core_work_runs_at_the_sustained_clock_and_memory_bound_kernels_d
     assert load_gpu("V100-32GB").sustained_tensor_fraction == 1.0
 
 
+def test_fused_attention_follows_the_measured_curve_by_sequence_length_and_one_figure_without_it(tmp_path):
+    import dataclasses
+
+    from autoshard.cost_models.compute import fused_attention_time_s, max_attention_efficiency
+
+    gpu = dataclasses.replace(load_gpu("A100-80GB"), flash_attention_by_seq=((4096, 0.6), (1024, 0.3)))
+    assert gpu.flash_attention_by_seq == ((1024, 0.3), (4096, 0.6))  # sorted by length
+    launch, flops, rate = gpu.kernel_launch_us * 1e-6, 1e13, gpu.sustained_tflops * 1e12
+
+    def eff(seq):
+        return flops / ((fused_attention_time_s(flops, 1e6, gpu, seq=seq) - launch) * rate)
+
+    assert eff(2048) == pytest.approx(0.45)  # halfway in log2(seq)
+    assert eff(256) == pytest.approx(0.3) and eff(65536) == pytest.approx(0.6)  # clamped at the ends
+    assert eff(None) == pytest.approx(gpu.flash_attention_efficiency)  # no length: the one figure
+    # the masked kernel has no curve; the bounds take the best of everything measured
+    assert fused_attention_time_s(flops, 1e6, gpu, kernel="masked", seq=2048) == \
+        fused_attention_time_s(flops, 1e6, gpu, kernel="masked")
+    assert max_attention_efficiency(dataclasses.replace(gpu, flash_attention_by_seq=((1024, 0.9),))) == 0.9
+    # a measured profile file carries the curve through `--cluster FILE`
+    text = (f"nodes: 1\ngpus_per_node: 8\ngpu:\n  name: A100-measured\n  peak_tflops: 312\n  fp32_tflops: 19.5\n"
+            f"  hbm_gbps: 2039\n  memory_gib: 80\n  num_sms: 108\n  max_gemm_efficiency: 0.85\n"
+            f"  hbm_efficiency: 0.8\n  kernel_launch_us: 4\n  flash_attention_efficiency: 0.5\n"
+            f"  flash_attention_by_seq: [[1024, 0.3], [4096, 0.6]]\nintra: nvswitch-a100\ninter: ib-hdr-8x200\n")
+    (tmp_path / "c.yaml").write_text(text)
+    assert ClusterSpec.parse(str(tmp_path / "c.yaml")).gpu.flash_attention_by_seq == ((1024, 0.3), (4096, 0.6))
+    with pytest.raises(ValueError, match="flash_attention_by_seq"):
+        dataclasses.replace(gpu, flash_attention_by_seq=((1024, 1.5),))
+
+
 # -- data-parallel units -------------------------------------------------------------------------------------
 def test_zero3_collectives_pay_their_latency_once_per_block_not_per_op(llama):
     cluster = ClusterSpec.parse("16x8xA100-80GB")

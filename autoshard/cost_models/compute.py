@@ -25,7 +25,7 @@ from autoshard.hardware_profiles.profiles import GPUProfile
 
 __all__ = [
     "gemm_time_s", "measured_gemm_tflops", "memory_bound_time_s", "fused_attention_time_s", "gemm_efficiency",
-    "ATTENTION_KERNELS", "FLASH_BACKWARD_FLOPS_FACTOR", "attention_efficiency",
+    "ATTENTION_KERNELS", "FLASH_BACKWARD_FLOPS_FACTOR", "attention_efficiency", "max_attention_efficiency",
 ]
 
 # CTA tile shapes (rows x cols of the output) cuBLAS picks for large bf16 GEMMs on Volta..Hopper; the guide's
@@ -106,20 +106,41 @@ def memory_bound_time_s(nbytes: float, gpu: GPUProfile, *, kernels: int = 1) -> 
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency) + kernels * gpu.kernel_launch_us * 1e-6
 
 
-def attention_efficiency(gpu: GPUProfile, kernel: str) -> float:
-    """Fraction of peak a fused attention kernel reaches; flash falls back where the GPU cannot run it."""
+def attention_efficiency(gpu: GPUProfile, kernel: str, *, seq: int | None = None) -> float:
+    """Fraction of peak a fused attention kernel reaches at sequence length `seq`: the profile's measured
+    curve by length where it has one (flash), else its one figure; flash falls back where the GPU cannot run it."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; known: {', '.join(ATTENTION_KERNELS)}")
     if kernel == "flash" and gpu.flash_attention_efficiency is not None:
+        if seq and gpu.flash_attention_by_seq:
+            return _log2_interpolate(gpu.flash_attention_by_seq, seq)
         return gpu.flash_attention_efficiency
     return gpu.memory_efficient_attention_efficiency
 
 
-def fused_attention_time_s(flops: float, io_bytes: float, gpu: GPUProfile, *, kernel: str = "flash") -> float:
-    """A fused attention kernel ("flash" or "masked"): compute-bound at a fraction of GEMM efficiency, never
-    below its I/O."""
+def max_attention_efficiency(gpu: GPUProfile) -> float:
+    """The best fraction of peak any fused attention kernel reaches on `gpu` at any length (for lower bounds)."""
+    measured = [e for _, e in gpu.flash_attention_by_seq] if gpu.flash_attention_efficiency is not None else []
+    return max([attention_efficiency(gpu, k) for k in ATTENTION_KERNELS] + measured)
+
+
+def _log2_interpolate(points: tuple, x: float) -> float:
+    """Linear in log2(x) between measured (x, y) points sorted by x; the end values beyond them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            t = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+            return y0 + t * (y1 - y0)
+    return points[-1][1]
+
+
+def fused_attention_time_s(flops: float, io_bytes: float, gpu: GPUProfile, *, kernel: str = "flash",
+                           seq: int | None = None) -> float:
+    """A fused attention kernel ("flash" or "masked") over sequences of `seq` tokens: compute-bound at a
+    fraction of GEMM efficiency, never below its I/O."""
     if flops <= 0:
         return 0.0
-    t_math = flops / (gpu.sustained_tflops * 1e12 * attention_efficiency(gpu, kernel))
+    t_math = flops / (gpu.sustained_tflops * 1e12 * attention_efficiency(gpu, kernel, seq=seq))
     t_mem = io_bytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
     return max(t_math, t_mem) + gpu.kernel_launch_us * 1e-6

@@ -40,6 +40,11 @@ class GPUProfile:
     # None where FlashAttention-2 does not run (before Ampere); SDPA then uses the memory-efficient kernel.
     flash_attention_efficiency: float | None = None
     memory_efficient_attention_efficiency: float = 0.3
+    # The flash (causal) kernel's efficiency measured at several sequence lengths, ((seq, fraction), ...): a
+    # kernel's efficiency grows with the length it works on, and where attention dominates the step (long
+    # sequences) one figure misses it (benchmarks/published_validation.md, "Error by sequence length").
+    # Interpolated in log2(seq), clamped at the ends (cost_models/compute.py). Empty: the one figure above.
+    flash_attention_by_seq: tuple = ()
     # What the ranks compute on: "cuda" (NCCL) or "cpu" (gloo ranks, fp32): the runtime's device and backend.
     device: str = "cuda"
     # Compute runs this many times slower while a collective overlaps it (NCCL takes SMs and HBM bandwidth;
@@ -75,6 +80,10 @@ class GPUProfile:
         object.__setattr__(self, "gemm_tflops", tuple(tuple(float(v) for v in row) for row in self.gemm_tflops))
         if any(len(row) != 4 or min(row) <= 0 for row in self.gemm_tflops):
             raise ValueError(f"GPU profile {self.name}: gemm_tflops rows are [m, n, k, TFLOP/s], all positive")
+        object.__setattr__(self, "flash_attention_by_seq",
+                           tuple(sorted((int(r[0]), float(r[1])) for r in self.flash_attention_by_seq)))
+        if any(s <= 0 or not 0 < e <= 1 for s, e in self.flash_attention_by_seq):
+            raise ValueError(f"GPU profile {self.name}: flash_attention_by_seq rows are [seq > 0, fraction in (0, 1]]")
         if self.overlap_slowdown < 1:
             raise ValueError(f"GPU profile {self.name}: overlap_slowdown must be >= 1, got {self.overlap_slowdown}")
         if self.device not in ("cuda", "cpu"):

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
-from autoshard.cost_models.compute import FLASH_BACKWARD_FLOPS_FACTOR, attention_efficiency
+from autoshard.cost_models.compute import FLASH_BACKWARD_FLOPS_FACTOR, max_attention_efficiency
 from autoshard.cost_models.memory import Precision, tensor_bytes
 from autoshard.planner.cache import graph_cache
 from autoshard.planner.opcost import score_shaped
@@ -102,7 +102,7 @@ def time_lower_bound_s(graph: OpGraph, gpu, precision: Precision, *, tp_degree: 
         gemm += t.score_fwd + t.sac_gemm_fwd
         io += t.sac_io_block
     peak = gpu.sustained_tflops * 1e12 * gpu.max_gemm_efficiency
-    attn_peak = gpu.sustained_tflops * 1e12 * max(attention_efficiency(gpu, k) for k in ("flash", "masked"))
+    attn_peak = gpu.sustained_tflops * 1e12 * max_attention_efficiency(gpu)
     per_sample = gemm / peak + attn / attn_peak + \
         io * precision.act_bytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
     per_mb_stage = per_sample * micro_batch / (tp_degree * pp)

@@ -164,8 +164,9 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
         flops = op.fwd_flops * mb / split
         io = sum(tensor_bytes(t, prec, samples=mb) for t in (*op.input_meta[:3], op.output_meta)) / split
         kernel = op.variant or "flash"
-        fwd = fused_attention_time_s(flops, io, gpu, kernel=kernel)
-        return fwd, fused_attention_time_s(flops * FLASH_BACKWARD_FLOPS_FACTOR, 2 * io, gpu, kernel=kernel)
+        fwd = fused_attention_time_s(flops, io, gpu, kernel=kernel, seq=ctx.seq)
+        return fwd, fused_attention_time_s(flops * FLASH_BACKWARD_FLOPS_FACTOR, 2 * io, gpu, kernel=kernel,
+                                           seq=ctx.seq)
     if op.kind is OpKind.MATMUL and op.fwd_flops:
         out = op.output_meta.shape
         batch = max(1, math.prod(out[:-2]) * mb // split)

@@ -10,7 +10,8 @@ all ranks and scaled back to one core's worth. Each figure is the median over re
     gemm        TFLOP/s of (m x k) @ (k x n) over a grid of shapes, in the training dtype (bf16 on GPUs,
                 fp32 on CPU ranks): the cost model interpolates in it (`GPUProfile.gemm_tflops`)
     memory      GB/s of a streaming kernel (read + write) and the cost of one tiny kernel (dispatch + launch)
-    attention   scaled_dot_product_attention forward + backward, causal and masked: fraction of peak
+    attention   scaled_dot_product_attention forward + backward, causal (also by sequence length) and masked:
+                fraction of peak
     host        per ATen op as autograd runs it; the extra of an op on DTensors (tensor-parallel plans run their
                 ops on them); per module an FSDP unit manages, per forward + backward; per parameter tensor of
                 an AdamW step on FSDP's DTensor parameters
@@ -156,22 +157,34 @@ def _transcendental(c: _Ctx) -> float:
     return (1 << 20) / c.busy(lambda: F.gelu(x, approximate="tanh")) / 1e9
 
 
-def _attention(c: _Ctx, peak_tflops: float) -> tuple[float, float]:
-    """(causal, masked) fused attention forward + backward as a fraction of `peak_tflops`; FLOPs counted as
-    the cost model counts them: 4·b·h·s²·d forward (capture/flops.py), 2.5x that backward."""
+# Sequence lengths the causal kernel is measured at, with batch x length fixed (tokens per call): its
+# efficiency grows with the length, which matters where attention dominates a step.
+ATTENTION_SEQS = {("cpu", True): (128, 512), ("cpu", False): (128, 512, 1024),
+                  ("cuda", True): (1024, 4096), ("cuda", False): (1024, 4096, 16384)}
+
+
+def _attention(c: _Ctx, peak_tflops: float) -> tuple[float, float, list[list[float]]]:
+    """(causal, masked, causal by sequence length) fused attention forward + backward as a fraction of
+    `peak_tflops`, FLOPs counted as the cost model counts them: 4·b·h·s²·d forward (capture/flops.py), 2.5x
+    that backward. The first two at one shape; the curve at ATTENTION_SEQS with b·s fixed."""
     import torch.nn.functional as F
 
-    b, h, s, d = (2, 8, 512, 64) if c.device.type == "cpu" else (4, 16, 4096, 128)
-    q, k, v = (torch.randn(b, h, s, d, device=c.device, dtype=c.dtype, requires_grad=True) for _ in range(3))
-    mask = torch.ones(s, s, device=c.device, dtype=torch.bool).tril()
-    flops = 4 * b * h * s * s * d * 3.5
-    out = []
-    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
-        def step(kwargs=kwargs):
-            y = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    cpu = c.device.type == "cpu"
+    h, d, tokens = (8, 64, 1024) if cpu else (16, 128, 16384)
+
+    def efficiency(s: int, **kwargs) -> float:
+        b = max(1, tokens // s)
+        q, k, v = (torch.randn(b, h, s, d, device=c.device, dtype=c.dtype, requires_grad=True) for _ in range(3))
+
+        def step():
+            y = F.scaled_dot_product_attention(q, k, v, **kwargs)  # (b, h, s, d)
             y.sum().backward()
-        out.append(min(1.0, flops / c.busy(step) / (peak_tflops * 1e12)))
-    return out[0], out[1]
+        return min(1.0, 4 * b * h * s * s * d * 3.5 / c.busy(step) / (peak_tflops * 1e12))
+
+    s = 512 if cpu else 4096
+    mask = torch.ones(s, s, device=c.device, dtype=torch.bool).tril()
+    by_seq = [[seq, round(efficiency(seq, is_causal=True), 4)] for seq in ATTENTION_SEQS[(c.device.type, c.quick)]]
+    return efficiency(s, is_causal=True), efficiency(s, attn_mask=mask), by_seq
 
 
 def _dtensor_us(c: _Ctx) -> float:
@@ -386,7 +399,7 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
     sms = c.cores if c.device.type == "cpu" else sms
     best = max(r[3] for r in gemm)
     peak = datasheet or best
-    causal, masked = _attention(c, peak)
+    causal, masked, causal_by_seq = _attention(c, peak)
     dtensor = _dtensor_us(c)
     fsdp, optim = _fsdp_us(c), _optimizer_us(c)
     slow = _overlap(c)
@@ -406,12 +419,14 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
            "max_gemm_efficiency": round(min(1.0, best / peak), 4), "hbm_efficiency": 1.0,
            "kernel_launch_us": round(per_op * 1e6, 3), "gpus_per_node": c.per_node, "intra_node": intra["name"],
            "inter_node": inter["name"], "flash_attention_efficiency": round(causal, 4),
-           "memory_efficient_attention_efficiency": round(masked, 4), "overlap_slowdown": round(slow, 4),
+           "memory_efficient_attention_efficiency": round(masked, 4), "flash_attention_by_seq": causal_by_seq,
+           "overlap_slowdown": round(slow, 4),
            "dtensor_us_per_op": round(dtensor, 3), "fsdp_us_per_module": round(fsdp, 3),
            "optimizer_us_per_tensor": round(optim, 3), "transcendental_gelem_per_s": round(transcendental, 5),
            "gemm_tflops": gemm,
            "sources": {k: src for k in ("peak_tflops", "hbm_gbps", "kernel_launch_us", "gemm_tflops",
-                                        "flash_attention_efficiency", "overlap_slowdown", "dtensor_us_per_op",
+                                        "flash_attention_efficiency", "flash_attention_by_seq",
+                                        "overlap_slowdown", "dtensor_us_per_op",
                                         "fsdp_us_per_module", "optimizer_us_per_tensor", "num_sms",
                                         "transcendental_gelem_per_s")}}
     if datasheet:
