@@ -94,7 +94,8 @@ def _prediction_text(pred, cluster, plan=None) -> list[str]:
 def _warnings(pred, cluster, plan=None) -> list[str]:
     from autoshard.planner.envelope import envelope_warnings, sequence_warnings
 
-    seq = sequence_warnings(plan.seq, cluster.gpu.name, plan.attention) if plan is not None else []
+    seq = sequence_warnings(plan.seq, cluster.gpu.name, plan.attention,
+                            measured_curve=bool(cluster.gpu.flash_attention_by_seq)) if plan is not None else []
     return envelope_warnings(pred.mfu, cluster.gpu.name) + seq
 
 

@@ -26,6 +26,8 @@ def test_fused_attention_at_long_sequences_is_flagged_where_published_runs_were_
     assert sequence_warnings(LONG_SEQUENCE - 1, "A100-80GB", "flash") == []
     assert sequence_warnings(32768, "A100-80GB", "eager") == []  # materialized scores: not what the sweep ran
     assert sequence_warnings(32768, "cpu", "flash") == [] and sequence_warnings(None, "A100-80GB", "flash") == []
+    # a profile that measured the kernel over sequence lengths prices this length from its own curve
+    assert sequence_warnings(32768, "A100-80GB", "flash", measured_curve=True) == []
 
 
 def test_estimate_prints_the_warning_in_text_and_json():

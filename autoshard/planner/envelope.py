@@ -53,9 +53,12 @@ def envelope_warnings(mfu: float, gpu_name: str) -> list[str]:
 LONG_SEQUENCE = 16384
 
 
-def sequence_warnings(seq: int | None, gpu_name: str, attention: str | None) -> list[str]:
-    """One line when a fused-attention prediction is at a sequence length where published runs were missed."""
-    if not seq or seq < LONG_SEQUENCE or attention not in ("flash", "masked") or gpu_family(gpu_name) is None:
+def sequence_warnings(seq: int | None, gpu_name: str, attention: str | None, *,
+                      measured_curve: bool = False) -> list[str]:
+    """One line when a fused-attention prediction is at a sequence length where published runs were missed
+    (not when the profile prices attention from a curve measured over sequence lengths)."""
+    if not seq or seq < LONG_SEQUENCE or attention not in ("flash", "masked") or gpu_family(gpu_name) is None \
+            or measured_curve:
         return []
     return [f"at {seq:,} tokens per sequence attention dominates the step, and published runs from "
             f"{LONG_SEQUENCE:,} tokens up were predicted too slow (benchmarks/published_validation.md, 'Error by "
