@@ -79,10 +79,10 @@ def test_fused_attention_follows_the_measured_curve_by_sequence_length_and_one_f
         fused_attention_time_s(flops, 1e6, gpu, kernel="masked")
     assert max_attention_efficiency(dataclasses.replace(gpu, flash_attention_by_seq=((1024, 0.9),))) == 0.9
     # a measured profile file carries the curve through `--cluster FILE`
-    text = (f"nodes: 1\ngpus_per_node: 8\ngpu:\n  name: A100-measured\n  peak_tflops: 312\n  fp32_tflops: 19.5\n"
-            f"  hbm_gbps: 2039\n  memory_gib: 80\n  num_sms: 108\n  max_gemm_efficiency: 0.85\n"
-            f"  hbm_efficiency: 0.8\n  kernel_launch_us: 4\n  flash_attention_efficiency: 0.5\n"
-            f"  flash_attention_by_seq: [[1024, 0.3], [4096, 0.6]]\nintra: nvswitch-a100\ninter: ib-hdr-8x200\n")
+    text = ("nodes: 1\ngpus_per_node: 8\ngpu:\n  name: A100-measured\n  peak_tflops: 312\n  fp32_tflops: 19.5\n"
+            "  hbm_gbps: 2039\n  memory_gib: 80\n  num_sms: 108\n  max_gemm_efficiency: 0.85\n"
+            "  hbm_efficiency: 0.8\n  kernel_launch_us: 4\n  flash_attention_efficiency: 0.5\n"
+            "  flash_attention_by_seq: [[1024, 0.3], [4096, 0.6]]\nintra: nvswitch-a100\ninter: ib-hdr-8x200\n")
     (tmp_path / "c.yaml").write_text(text)
     assert ClusterSpec.parse(str(tmp_path / "c.yaml")).gpu.flash_attention_by_seq == ((1024, 0.3), (4096, 0.6))
     with pytest.raises(ValueError, match="flash_attention_by_seq"):

@@ -4,7 +4,13 @@ import json
 import subprocess
 import sys
 
-from autoshard.planner.envelope import LONG_SEQUENCE, PUBLISHED_MFU, envelope_warnings, gpu_family, sequence_warnings
+from autoshard.planner.envelope import (
+    LONG_SEQUENCE,
+    PUBLISHED_MFU,
+    envelope_warnings,
+    gpu_family,
+    sequence_warnings,
+)
 
 
 def test_mfu_above_the_best_published_run_on_its_gpu_is_flagged_and_names_the_run():

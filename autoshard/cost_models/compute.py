@@ -128,7 +128,7 @@ def _log2_interpolate(points: tuple, x: float) -> float:
     """Linear in log2(x) between measured (x, y) points sorted by x; the end values beyond them."""
     if x <= points[0][0]:
         return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
         if x <= x1:
             t = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
             return y0 + t * (y1 - y0)
