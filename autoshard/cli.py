@@ -96,7 +96,7 @@ def _warnings(pred, cluster, plan=None) -> list[str]:
 
     seq = sequence_warnings(plan.seq, cluster.gpu.name, plan.attention,
                             measured_curve=bool(cluster.gpu.flash_attention_by_seq)) if plan is not None else []
-    return envelope_warnings(pred.mfu, cluster.gpu.name) + seq
+    return envelope_warnings(pred.mfu, cluster.gpu.name, cluster.num_gpus) + seq
 
 
 def _attention_kernel(plan) -> str:

@@ -7,6 +7,7 @@ import sys
 from autoshard.planner.envelope import (
     LONG_SEQUENCE,
     PUBLISHED_MFU,
+    ceiling,
     envelope_warnings,
     gpu_family,
     sequence_warnings,
@@ -15,9 +16,23 @@ from autoshard.planner.envelope import (
 
 def test_mfu_above_the_best_published_run_on_its_gpu_is_flagged_and_names_the_run():
     (line,) = envelope_warnings(0.677, "A100-80GB")
-    assert "67.7%" in line and "61.1%" in line and "torchtitan" in line
-    assert envelope_warnings(PUBLISHED_MFU["A100"].mfu, "A100-40GB") == []
+    assert "67.7%" in line and "64.2%" in line and "MPT-7B" in line
+    assert envelope_warnings(ceiling("A100").mfu, "A100-40GB") == []
     assert envelope_warnings(0.50, "H100-80GB") and not envelope_warnings(0.45, "H100-80GB")
+
+
+def test_the_ceiling_is_the_best_published_run_on_at_least_as_many_gpus():
+    assert envelope_warnings(0.62, "A100-80GB", 8) == []  # MPT-7B's 64.2% on 8 A100s
+    (line,) = envelope_warnings(0.62, "A100-80GB", 64)  # torchtitan's 61.1% on 64
+    assert "61.1%" in line and "on 64 GPUs or more" in line
+    (line,) = envelope_warnings(0.60, "A100-80GB", 1024)  # MegaScale's 55.2% on 12,288
+    assert "55.2%" in line and "MegaScale" in line
+    assert envelope_warnings(0.56, "A100-80GB", 20000)  # beyond the largest run: the largest run
+    assert envelope_warnings(0.45, "H100-80GB", 96) == [] and envelope_warnings(0.45, "H100-80GB", 1024)
+    # each tier is the best on at least its count: MFU falls as the count grows
+    for runs in PUBLISHED_MFU.values():
+        assert [c.gpus for c in runs] == sorted(c.gpus for c in runs)
+        assert [c.mfu for c in runs] == sorted((c.mfu for c in runs), reverse=True)
 
 
 def test_h200_is_bounded_by_h100_runs_and_gpus_without_published_runs_get_no_warning():
@@ -45,5 +60,5 @@ def test_estimate_prints_the_warning_in_text_and_json():
     out = subprocess.run([sys.executable, "-m", "autoshard.cli", *args, "--json"], capture_output=True, text=True,
                          timeout=300)
     data = json.loads(out.stdout)
-    assert data["mfu"] > PUBLISHED_MFU["A100"].mfu
+    assert data["mfu"] > ceiling("A100", 32).mfu
     assert data["warnings"] and "caution          " + data["warnings"][0] in text.stdout

@@ -1,30 +1,48 @@
-"""What real runs reach: a prediction beyond the best published run on its GPU is flagged, not hidden.
+"""What real runs reach: a prediction beyond the best published run on its GPU at its scale is flagged, not hidden.
 
-REFERENCES.md §8: no published dense-transformer run on A100 or H100 reaches much beyond 60% MFU, so a plan
-predicted above the best measured run on its GPU family is a claim that needs evidence (`autoshard measure` on
-the cluster), and `plan` / `estimate` say so beside the figure (text and `--json` "warnings"). Each ceiling
-names its run; GPUs without a published run (custom profiles, CPU ranks) get no warning.
+REFERENCES.md §8: no published dense-transformer run on A100 or H100 reaches much beyond 60% MFU, and the
+figure falls with scale (MegaScale's 55.2% on 12,288 A100s; Llama 3 405B's 43% on 8,192 H100s). A plan
+predicted above the best MFU any published run reached on its GPU family with at least as many GPUs is a claim
+that needs evidence (`autoshard measure` on the cluster), and `plan` / `estimate` say so beside the figure
+(text and `--json` "warnings"). Each ceiling names its run; GPUs without a published run (custom profiles, CPU
+ranks) get no warning.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Ceiling", "PUBLISHED_MFU", "LONG_SEQUENCE", "gpu_family", "envelope_warnings", "sequence_warnings"]
+__all__ = ["Ceiling", "PUBLISHED_MFU", "LONG_SEQUENCE", "gpu_family", "ceiling", "envelope_warnings",
+           "sequence_warnings"]
 
 
 @dataclass(frozen=True)
 class Ceiling:
-    mfu: float  # model FLOPs utilization of the best published run
+    mfu: float  # model FLOPs utilization of the published run
     source: str
+    gpus: int  # how many GPUs it ran on
 
 
-PUBLISHED_MFU = {
-    "A100": Ceiling(0.611, "torchtitan FSDP2, Llama 2 13B on 64 A100s without activation checkpointing "
-                           "(docs/performance.md; REFERENCES.md §8)"),
-    "H100": Ceiling(0.47, "Megatron-Core GPT on H100, up to 47% MFU (Megatron-LM README; REFERENCES.md §8)"),
-    "V100": Ceiling(0.575, "Megatron-LM 2019, 1.2B on one V100: 71.9 TFLOP/s of 125 counting recompute "
-                           "(Megatron-LM images/tables.tex)"),
+# Per family, the frontier of MFU against GPU count: each run is the best published one on at least its number
+# of GPUs (a run on more GPUs with a higher MFU would replace the runs before it). Sorted by GPU count.
+PUBLISHED_MFU: dict[str, tuple[Ceiling, ...]] = {
+    "A100": (
+        Ceiling(0.642, "llm-foundry MPT-7B, FSDP on 8 A100s at 2,048 tokens (scripts/train/benchmarking/README.md; "
+                       "published_runs.csv mpt_7b_a100_80gb_8_2048)", 8),
+        Ceiling(0.611, "torchtitan FSDP2, Llama 2 13B on 64 A100s without activation checkpointing "
+                       "(docs/performance.md; REFERENCES.md §8)", 64),
+        Ceiling(0.552, "MegaScale, GPT-3 175B on 12,288 A100s (Jiang et al., NSDI 2024; REFERENCES.md §8)", 12288),
+    ),
+    "H100": (
+        Ceiling(0.47, "Megatron-Core GPT on H100, up to 47% MFU (Megatron-LM README; REFERENCES.md §8)", 96),
+        Ceiling(0.435, "Llama 3 405B on 8,192 H100s, 430 TFLOP/s per GPU (Llama 3 paper Table 4; "
+                       "references/more_published_runs.csv llama3_405b_8k)", 8192),
+        Ceiling(0.404, "Llama 3 405B on 16,384 H100s, 400 TFLOP/s per GPU (Llama 3 paper Table 4)", 16384),
+    ),
+    "V100": (
+        Ceiling(0.575, "Megatron-LM 2019, 1.2B on one V100: 71.9 TFLOP/s of 125 counting recompute "
+                       "(Megatron-LM images/tables.tex)", 1),
+    ),
 }
 
 
@@ -36,14 +54,25 @@ def gpu_family(gpu_name: str) -> str | None:
     return None
 
 
-def envelope_warnings(mfu: float, gpu_name: str) -> list[str]:
-    """One line per way a prediction exceeds what published runs on `gpu_name` reached (empty: within)."""
+def ceiling(family: str, num_gpus: int | None = None) -> Ceiling | None:
+    """The best published run of `family` on at least `num_gpus` GPUs (beyond the largest, the largest; no
+    count: the best at any scale)."""
+    runs = PUBLISHED_MFU.get(family, ())
+    if not runs:
+        return None
+    return next((c for c in runs if num_gpus is None or c.gpus >= num_gpus), runs[-1])
+
+
+def envelope_warnings(mfu: float, gpu_name: str, num_gpus: int | None = None) -> list[str]:
+    """One line per way a prediction exceeds what published runs on `gpu_name` reached at its scale (empty:
+    within)."""
     family = gpu_family(gpu_name)
-    ceiling = PUBLISHED_MFU.get(family) if family else None
-    if ceiling is None or mfu <= ceiling.mfu:
+    best = ceiling(family, num_gpus) if family else None
+    if best is None or mfu <= best.mfu:
         return []
-    return [f"predicted MFU {mfu:.1%} is above the best published run on {family} ({ceiling.mfu:.1%}: "
-            f"{ceiling.source}); treat it as optimistic until measured (autoshard measure)"]
+    scale = f" on {num_gpus:,} GPUs or more" if num_gpus and num_gpus > 1 else ""
+    return [f"predicted MFU {mfu:.1%} is above the best published run on {family}{scale} ({best.mfu:.1%}: "
+            f"{best.source}); treat it as optimistic until measured (autoshard measure)"]
 
 
 # From this many tokens per sequence a fused attention kernel is most of a decoder's step, and the one published
