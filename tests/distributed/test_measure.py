@@ -27,3 +27,26 @@ def test_measure_runs_a_plan_on_two_ranks_and_reports_measured_beside_predicted(
     assert len(step["steps_s"]) == 3 and all(s > 0 for s in step["steps_s"])
     assert min(step["steps_s"]) <= step["median_s"] <= max(step["steps_s"])
     assert report["error_pct"] == (report["predicted_s"] - step["median_s"]) / step["median_s"] * 100
+
+
+def test_profile_quick_on_two_ranks_writes_a_cluster_file_that_prices_attention_by_sequence_length(tmp_path):
+    out_file = tmp_path / "cluster.yaml"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", "29673", "-m", "autoshard.cli", "profile", "--quick", "-o", str(out_file)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    from autoshard.hardware_profiles import ClusterSpec
+    from autoshard.runtime.profile import ATTENTION_SEQS
+
+    cluster = ClusterSpec.parse(str(out_file))
+    gpu = cluster.gpu
+    assert cluster.num_gpus == 2 and gpu.device == "cpu" and gpu.gemm_tflops
+    # the causal kernel measured at each --quick length, every point a fraction of peak
+    assert [s for s, _ in gpu.flash_attention_by_seq] == list(ATTENTION_SEQS[("cpu", True)])
+    assert all(0 < e <= 1 for _, e in gpu.flash_attention_by_seq)
+    est = subprocess.run([sys.executable, "-m", "autoshard.cli", "estimate",
+                          "gpt:layers=2,hidden=64,heads=4,seq=256,vocab=128,attn=flash", "--cluster", str(out_file),
+                          "--dp", "2", "--micro-batch", "1", "--global-batch", "2", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert est.returncode == 0, est.stderr[-2000:]
+    assert json.loads(est.stdout)["iteration_time_s"] > 0
