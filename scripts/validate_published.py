@@ -314,9 +314,9 @@ def _sweep_note(sweep: dict) -> str:
         "(`attn_impl: triton` in the MPT yamls of the time), whose long-sequence rate lies between the two. Halving the "
         "causal work alone (tried while writing this) made the dev set's MAPE 9.0% from 6.3%, every group too "
         "fast, because the rest of the step is too fast as well (the 512-token rows, where attention is small). So predictions beyond ~16k tokens "
-        "are pessimistic by the amounts above and short-sequence ones optimistic, until attention is priced "
-        "from a curve measured over sequence lengths (`autoshard profile` measures it at one length today) "
-        f"instead of the paper's single figure. {mem} runs are rejected as needing 82-88 GiB where they ran in 80 GiB: MPT has no "
+        "are pessimistic by the amounts above and short-sequence ones optimistic, until the datasheet profiles "
+        "price attention from a curve measured over sequence lengths, as a profile written by `autoshard "
+        f"profile` on the cluster does, instead of the paper's single figure. {mem} runs are rejected as needing 82-88 GiB where they ran in 80 GiB: MPT has no "
         "dropout (its config's defaults) and the `gpt:` spec the shared tool builds has dropout masks, "
         "which the tool cannot switch off.")
 

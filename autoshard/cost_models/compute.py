@@ -113,7 +113,8 @@ def attention_efficiency(gpu: GPUProfile, kernel: str, *, seq: int | None = None
         raise ValueError(f"unknown attention kernel {kernel!r}; known: {', '.join(ATTENTION_KERNELS)}")
     if kernel == "flash" and gpu.flash_attention_efficiency is not None:
         if seq and gpu.flash_attention_by_seq:
-            return _log2_interpolate(gpu.flash_attention_by_seq, seq)
+            measured = dict(gpu.flash_attention_by_seq)
+            return sum(w * measured[s] for s, w in _bracket(list(measured), seq))
         return gpu.flash_attention_efficiency
     return gpu.memory_efficient_attention_efficiency
 
@@ -122,17 +123,6 @@ def max_attention_efficiency(gpu: GPUProfile) -> float:
     """The best fraction of peak any fused attention kernel reaches on `gpu` at any length (for lower bounds)."""
     measured = [e for _, e in gpu.flash_attention_by_seq] if gpu.flash_attention_efficiency is not None else []
     return max([attention_efficiency(gpu, k) for k in ATTENTION_KERNELS] + measured)
-
-
-def _log2_interpolate(points: tuple, x: float) -> float:
-    """Linear in log2(x) between measured (x, y) points sorted by x; the end values beyond them."""
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
-        if x <= x1:
-            t = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
-            return y0 + t * (y1 - y0)
-    return points[-1][1]
 
 
 def fused_attention_time_s(flops: float, io_bytes: float, gpu: GPUProfile, *, kernel: str = "flash",

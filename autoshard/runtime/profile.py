@@ -166,7 +166,8 @@ ATTENTION_SEQS = {("cpu", True): (128, 512), ("cpu", False): (128, 512, 1024),
 def _attention(c: _Ctx, peak_tflops: float) -> tuple[float, float, list[list[float]]]:
     """(causal, masked, causal by sequence length) fused attention forward + backward as a fraction of
     `peak_tflops`, FLOPs counted as the cost model counts them: 4·b·h·s²·d forward (capture/flops.py), 2.5x
-    that backward. The first two at one shape; the curve at ATTENTION_SEQS with b·s fixed."""
+    that backward. The curve at ATTENTION_SEQS with b·s fixed; the one causal figure is its point at the
+    masked kernel's shape."""
     import torch.nn.functional as F
 
     cpu = c.device.type == "cpu"
@@ -181,10 +182,10 @@ def _attention(c: _Ctx, peak_tflops: float) -> tuple[float, float, list[list[flo
             y.sum().backward()
         return min(1.0, 4 * b * h * s * s * d * 3.5 / c.busy(step) / (peak_tflops * 1e12))
 
-    s = 512 if cpu else 4096
+    s = 512 if cpu else 4096  # one of ATTENTION_SEQS: the causal figure is the curve's point there
     mask = torch.ones(s, s, device=c.device, dtype=torch.bool).tril()
     by_seq = [[seq, round(efficiency(seq, is_causal=True), 4)] for seq in ATTENTION_SEQS[(c.device.type, c.quick)]]
-    return efficiency(s, is_causal=True), efficiency(s, attn_mask=mask), by_seq
+    return dict(by_seq)[s], efficiency(s, attn_mask=mask), by_seq
 
 
 def _dtensor_us(c: _Ctx) -> float:
