@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchrun_harness import run_torchrun
+
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "benchmarks" / "measured" / "cpu2.yaml"
 
@@ -16,11 +18,9 @@ def test_measure_runs_a_plan_on_two_ranks_and_reports_measured_beside_predicted(
     subprocess.run([sys.executable, "-m", "autoshard.cli", "estimate", model, "--cluster", str(PROFILE),
                     "--dp", "2", "--micro-batch", "2", "--global-batch", "4", "--zero", "3", "-o", str(plan)],
                    check=True, capture_output=True, text=True, timeout=300)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "29671", "-m", "autoshard.cli", "measure", str(plan),
-                          "--steps", "3", "--warmup", "1", "--json"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out, logs = run_torchrun(["measure", str(plan), "--steps", "3", "--warmup", "1", "--json"], nproc=2,
+                             workdir=tmp_path)
+    assert out.returncode == 0, logs
     report = json.loads(out.stdout)  # only JSON on stdout, from rank 0 only
     assert report["world_size"] == 2 and report["predicted_s"] > 0
     step = report["step"]
@@ -31,10 +31,8 @@ def test_measure_runs_a_plan_on_two_ranks_and_reports_measured_beside_predicted(
 
 def test_profile_quick_on_two_ranks_writes_a_cluster_file_that_prices_attention_by_sequence_length(tmp_path):
     out_file = tmp_path / "cluster.yaml"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "29673", "-m", "autoshard.cli", "profile", "--quick", "-o", str(out_file)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run, logs = run_torchrun(["profile", "--quick", "-o", str(out_file)], nproc=2, workdir=tmp_path)
+    assert run.returncode == 0, logs
     from autoshard.hardware_profiles import ClusterSpec
     from autoshard.runtime.profile import ATTENTION_SEQS
 
