@@ -33,7 +33,7 @@ def test_overlapped_communication_costs_its_first_unit_and_the_compute_it_slows(
 
 
 def test_overlap_is_never_free_on_the_datasheet_gpus():
-    for name in ("A100-80GB", "H100-80GB", "H200-141GB"):
+    for name in ("A100-80GB", "H100-80GB", "H200-141GB", "V100-32GB", "V100-16GB"):
         assert load_gpu(name).overlap_slowdown > 1.0
 
 
@@ -55,8 +55,13 @@ def test_tensor_core_work_runs_at_the_sustained_clock_and_memory_bound_kernels_d
         assert (fused_attention_time_s(1e13, 1e6, gpu) - launch) == pytest.approx(
             (fused_attention_time_s(1e13, 1e6, burst) - launch) / gpu.sustained_tensor_fraction)
         assert memory_bound_time_s(1e9, gpu) == memory_bound_time_s(1e9, burst)
-    # no measurement for V100: its benchmarked rate stands (not silently derated)
-    assert load_gpu("V100-32GB").sustained_tensor_fraction == 1.0
+    # V100: the one measured rate, 101 TFLOPS at 8192^3, was taken on a PCIe card at its 1.38 GHz boost; the
+    # SXM2's 125 TFLOPS assumes 1.53 GHz, which nothing measured shows it holding: the best GEMM is the measured one
+    for name in ("V100-32GB", "V100-16GB"):
+        v100 = load_gpu(name)
+        assert v100.sustained_tensor_fraction == pytest.approx(1.38 / 1.53, abs=1e-3)
+        best_tflops = 2 * 8192**3 / (gemm_time_s(8192, 8192, 8192, v100) - v100.kernel_launch_us * 1e-6) / 1e12
+        assert best_tflops == pytest.approx(101, rel=0.02)  # less the model's wave quantization on 80 SMs
 
 
 def test_fused_attention_follows_the_measured_curve_by_sequence_length_and_one_figure_without_it(tmp_path):
