@@ -74,11 +74,33 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
     plan, _ = estimate(graph, cluster, cfg)
     need = plan.prediction.memory.total_bytes
     if check_memory and need > cluster.device_memory_bytes:
+        fixes, params = _memory_fixes(cfg)
         raise ConfigurationError(
             f"this configuration needs {need / 2**30:.1f} GiB per GPU but {cluster.gpu.name} has "
-            f"{cluster.device_memory_bytes / 2**30:.0f} GiB; raise tp/pp, use recompute='full', "
-            "a smaller micro_batch or zero", params=("tp", "pp", "recompute", "micro_batch", "zero"))
+            f"{cluster.device_memory_bytes / 2**30:.0f} GiB; {fixes}", params=params)
     return plan, cluster
+
+
+def _memory_fixes(cfg: HandConfig) -> tuple[str, tuple[str, ...]]:
+    """What would shrink a hand configuration that does not fit, in the order a user would try it: only the
+    knobs not already at their smallest-memory setting (sequence parallelism first when tensor parallelism
+    runs without it: it divides the activations outside the matmuls by tp)."""
+    fixes, params = [], []
+    if cfg.tp > 1 and not cfg.sequence_parallel:
+        fixes.append("add sequence_parallel")
+        params.append("sequence_parallel")
+    if cfg.recompute != "full":
+        fixes.append("use recompute='full'")
+        params.append("recompute")
+    if cfg.micro_batch > 1:
+        fixes.append("a smaller micro_batch")
+        params.append("micro_batch")
+    if cfg.zero < 3 and cfg.dp > 1:
+        fixes.append(f"a higher zero (now {cfg.zero})")
+        params.append("zero")
+    fixes.append("raise tp/pp")
+    params += ["tp", "pp"]
+    return ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1], tuple(params)
 
 
 

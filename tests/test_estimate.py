@@ -47,6 +47,19 @@ def test_configuration_that_does_not_fit_reports_the_memory_it_needs():
         estimate_config("gpt3-175b", "1x8xA100-80GB", tp=8, global_batch=8)
 
 
+def test_a_configuration_that_does_not_fit_names_only_the_fixes_that_apply_sequence_parallel_first():
+    with pytest.raises(ConfigurationError) as err:  # tp 8 without sequence parallelism, recompute none
+        estimate_config("gpt3-175b", "1x8xA100-80GB", tp=8, global_batch=8)
+    assert str(err.value).split("; ", 1)[1].startswith("add sequence_parallel, use recompute='full'")
+    assert "sequence_parallel" in err.value.params
+    with pytest.raises(ConfigurationError) as err:  # already sequence-parallel and fully recomputed
+        estimate_config("gpt3-175b", "1x8xA100-80GB", tp=8, global_batch=8, sequence_parallel=True, recompute="full")
+    fixes = str(err.value).split("; ", 1)[1]
+    assert "sequence_parallel" not in fixes and "recompute" not in fixes and fixes.endswith("raise tp/pp")
+    out = run("estimate", "gpt3-175b", "--cluster", "1x8xA100-80GB", "--tp", "8", "--global-batch", "8")
+    assert out.returncode == 2 and "add --sequence-parallel, use --recompute 'full'" in out.stderr
+
+
 def test_indivisible_global_batch_is_rejected():
     with pytest.raises(ConfigurationError, match="not a multiple of dp x micro-batch"):
         estimate_config("gpt2", "1x8xA100-80GB", dp=8, micro_batch=2, global_batch=20)
