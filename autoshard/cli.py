@@ -92,11 +92,14 @@ def _prediction_text(pred, cluster, plan=None) -> list[str]:
 
 
 def _warnings(pred, cluster, plan=None) -> list[str]:
-    from autoshard.planner.envelope import envelope_warnings, sequence_warnings
+    from autoshard.planner.envelope import envelope_warnings, sequence_warnings, sharding_warnings
 
-    seq = sequence_warnings(plan.seq, cluster.gpu.name, plan.attention,
-                            measured_curve=bool(cluster.gpu.flash_attention_by_seq)) if plan is not None else []
-    return envelope_warnings(pred.mfu, cluster.gpu.name, cluster.num_gpus) + seq
+    out = envelope_warnings(pred.mfu, cluster.gpu.name, cluster.num_gpus)
+    if plan is not None:
+        out += sequence_warnings(plan.seq, cluster.gpu.name, plan.attention,
+                                 measured_curve=bool(cluster.gpu.flash_attention_by_seq))
+        out += sharding_warnings(plan, cluster.gpu.name)
+    return out
 
 
 def _attention_kernel(plan) -> str:

@@ -5,12 +5,14 @@ import subprocess
 import sys
 
 from autoshard.planner.envelope import (
+    LARGEST_SHARDED_RUN,
     LONG_SEQUENCE,
     PUBLISHED_MFU,
     ceiling,
     envelope_warnings,
     gpu_family,
     sequence_warnings,
+    sharding_warnings,
 )
 
 
@@ -49,6 +51,21 @@ def test_fused_attention_at_long_sequences_is_flagged_where_published_runs_were_
     assert sequence_warnings(32768, "cpu", "flash") == [] and sequence_warnings(None, "A100-80GB", "flash") == []
     # a profile that measured the kernel over sequence lengths prices this length from its own curve
     assert sequence_warnings(32768, "A100-80GB", "flash", measured_curve=True) == []
+
+
+def test_zero3_over_more_ranks_than_any_checked_sharded_run_is_flagged():
+    from autoshard.api import estimate_config
+
+    def hand(nodes, zero):
+        plan, _ = estimate_config("gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", f"{nodes}x8xA100-80GB",
+                                  micro_batch=1, global_batch=nodes * 8, zero=zero)
+        return plan
+
+    (line,) = sharding_warnings(hand(2 * LARGEST_SHARDED_RUN // 8, 3), "A100-80GB")
+    assert f"{2 * LARGEST_SHARDED_RUN:,} data-parallel ranks" in line and "DeepSpeed" in line
+    assert sharding_warnings(hand(LARGEST_SHARDED_RUN // 8, 3), "A100-80GB") == []  # the checked scale
+    assert sharding_warnings(hand(2 * LARGEST_SHARDED_RUN // 8, 1), "A100-80GB") == []  # parameters replicated
+    assert sharding_warnings(hand(2 * LARGEST_SHARDED_RUN // 8, 3), "cpu") == []
 
 
 def test_estimate_prints_the_warning_in_text_and_json():

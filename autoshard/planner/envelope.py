@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Ceiling", "PUBLISHED_MFU", "LONG_SEQUENCE", "gpu_family", "ceiling", "envelope_warnings",
-           "sequence_warnings"]
+__all__ = ["Ceiling", "PUBLISHED_MFU", "LONG_SEQUENCE", "LARGEST_SHARDED_RUN", "gpu_family", "ceiling",
+           "envelope_warnings", "sequence_warnings", "sharding_warnings"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,23 @@ def sequence_warnings(seq: int | None, gpu_name: str, attention: str | None, *,
     return [f"at {seq:,} tokens per sequence attention dominates the step, and published runs from "
             f"{LONG_SEQUENCE:,} tokens up were predicted too slow (benchmarks/published_validation.md, 'Error by "
             "sequence length'); treat this prediction as pessimistic until measured (autoshard measure)"]
+
+
+# The largest fully sharded (ZeRO-3 / FSDP) run the model is checked against: MPT 70B with FSDP on 512 H100s
+# (published_runs.csv mpt_70b_h100_80gb_512_2048, predicted within 3%). Beyond it the only published ZeRO-3 runs
+# are DeepSpeed's at 384-2,240 A100s (Narayanan et al. 2021 Table 2, references/more_published_runs.csv
+# ptdp21_t2_zero3_*), which ran 1.6-4x slower than this model prices them (37-75% too fast at 384-2,240 GPUs,
+# worse as the group grows): another engine, but nothing at that scale shows FSDP2 reaching the price either.
+LARGEST_SHARDED_RUN = 512
+
+
+def sharding_warnings(plan, gpu_name: str) -> list[str]:
+    """One line when the plan shards parameters (ZeRO-3) over a data-parallel group larger than any fully
+    sharded run the model was checked against (GPU profiles only: `autoshard measure` checks CPU ranks)."""
+    dp = plan.mesh.degree("dp") if "dp" in plan.mesh.names else 1
+    if dp <= LARGEST_SHARDED_RUN or gpu_family(gpu_name) is None or not any(op.strategy.zero == 3 for op in plan.ops):
+        return []
+    return [f"parameters are sharded (ZeRO-3) over {dp:,} data-parallel ranks; the largest fully sharded run "
+            f"checked is FSDP on {LARGEST_SHARDED_RUN} GPUs (MPT 70B, within 3%), and DeepSpeed's ZeRO-3 at "
+            "768-2,240 GPUs ran 2-4x slower than this model prices it (benchmarks/published_validation.md); "
+            "treat the prediction as optimistic until measured (autoshard measure)"]
