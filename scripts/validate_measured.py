@@ -1,9 +1,13 @@
 """The truth loop on this machine: profile the local gloo cluster, predict plans with that profile, run them,
 compare. Writes benchmarks/measured_validation.md and .json (issue 14).
 
-    python scripts/validate_measured.py [--repeats 3] [--steps 6] [--warmup 2] [--skip-profile] [--only NAMES]
+    python scripts/validate_measured.py [--repeats 3] [--steps 6] [--warmup 2] [--profile-rounds 3]
+                                        [--skip-profile] [--only NAMES]
 
-1. `autoshard profile --quick` on 2 and on 4 CPU ranks (torchrun) -> benchmarks/measured/cpu{2,4}.yaml;
+1. `autoshard profile --quick` on 2 and on 4 CPU ranks (torchrun), `--profile-rounds` times each, alternating
+   world sizes so the rounds are spread over minutes; every number of the profile is the median over the rounds
+   (one slow minute moved a single round's host costs by 50-70%) -> benchmarks/measured/cpu{2,4}.yaml, and the
+   rounds' spread of the figures that matter most is reported;
 2. plans of a small GPT and a small Llama on 2 and 4 ranks: data parallel, ZeRO-1/2/3, ZeRO per operator, 1D
    tensor parallel, 1D + sequence parallel, 2D, pipelines (GPipe, 1F1B, interleaved, looped BFS), other
    micro-batches, recompute full and selective, and the planner's own choice on the measured profile; each
@@ -70,6 +74,73 @@ CONFIGS = [
 
 def profile_file(world: int) -> Path:
     return PROFILES / f"cpu{world}.yaml"
+
+
+def median_profile(rounds: list):
+    """Leaf by leaf, the median of several `autoshard profile` results of the same shape (numbers: the median;
+    lists of equal length: element by element, so a curve's points keep their sizes; text: the first round's)."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {k: median_profile([r[k] for r in rounds]) for k in first}
+    if isinstance(first, list):
+        if any(not isinstance(r, list) or len(r) != len(first) for r in rounds):
+            raise ValueError("profile rounds differ in shape; re-run with the same --quick setting")
+        return [median_profile(list(items)) for items in zip(*rounds)]
+    if isinstance(first, bool) or not isinstance(first, (int, float)):
+        return first
+    return statistics.median(rounds)
+
+
+# the profile figures most predictions lean on: (label, path into the profile file)
+SPREAD_FIELDS = (("best GEMM TFLOP/s", ("gpu", "peak_tflops")), ("memory GB/s", ("gpu", "hbm_gbps")),
+                 ("kernel launch us", ("gpu", "kernel_launch_us")), ("FSDP us per module", ("gpu", "fsdp_us_per_module")),
+                 ("DTensor us per op", ("gpu", "dtensor_us_per_op")),
+                 ("optimizer us per tensor", ("gpu", "optimizer_us_per_tensor")),
+                 ("collective sync us", ("intra", "sync_us")), ("all-reduce GB/s", ("intra", "busbw_gbps", "all_reduce")))
+
+
+def profile_spread(rounds: list[dict]) -> dict[str, dict[str, float]]:
+    """Per figure of SPREAD_FIELDS: min, median and max over the rounds, and (max - min) / median in %."""
+    out = {}
+    for label, path in SPREAD_FIELDS:
+        values = []
+        for r in rounds:
+            v = r
+            for key in path:
+                v = v[key]
+            values.append(float(v))
+        mid = statistics.median(values)
+        out[label] = {"min": min(values), "median": mid, "max": max(values),
+                      "spread_pct": (max(values) - min(values)) / mid * 100 if mid else 0.0}
+    return out
+
+
+def profile_rounds(worlds: list[int], rounds: int) -> dict[int, dict]:
+    """`rounds` quick profiles per world size, world sizes alternating; each world's median profile written to
+    its file (header kept); returns {world: spread}."""
+    import yaml
+
+    got: dict[int, list[dict]] = {w: [] for w in worlds}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(rounds):
+            for w in worlds:
+                print(f"profiling {w} ranks (round {i + 1} of {rounds}) ...", flush=True)
+                out = Path(tmp, f"cpu{w}-{i}.yaml")
+                torchrun(w, "-m", "autoshard", "profile", "--quick", "--quiet", "-o", str(out))
+                got[w].append(yaml.safe_load(out.read_text()))
+                if i == 0:
+                    header = "".join(line for line in out.read_text().splitlines(keepends=True)
+                                     if line.startswith("#"))
+                    Path(tmp, f"header{w}").write_text(header)
+        spreads = {}
+        for w in worlds:
+            merged = median_profile(got[w])
+            note = (f"# Each number is the median of {rounds} rounds of `autoshard profile --quick` on {w} ranks "
+                    "(scripts/validate_measured.py).\n")
+            profile_file(w).write_text(Path(tmp, f"header{w}").read_text() + note +
+                                       yaml.safe_dump(merged, sort_keys=False, width=200, default_flow_style=None))
+            spreads[w] = profile_spread(got[w])
+    return spreads
 
 
 def run(cmd: list[str], timeout_s: float) -> None:
@@ -225,7 +296,10 @@ def write_report(summary: dict, args, elapsed_s: float) -> None:
     lines = ["# Predictions against runs of the plans on this machine's gloo ranks",
              "", f"Written by `{meta['command']}` ({meta['machine']}, {elapsed_s / 60:.0f} min). "
              "Each plan is priced on the profile `autoshard profile --quick` measured on the same number of "
-             f"ranks (benchmarks/measured/cpu2.yaml, cpu4.yaml) and run for {args.repeats} repeats of "
+             f"ranks (benchmarks/measured/cpu2.yaml, cpu4.yaml; "
+             + (f"each number the median of {args.profile_rounds} rounds" if summary.get("profile_spread")
+                else "reused") +
+             f") and run for {args.repeats} repeats of "
              f"{args.steps} timed steps (after {args.warmup}); measured = median over repeats of the median step. "
              f"Global batch {BATCH}; models `{GPT}` and `{LLAMA}`; fp32 on CPU.",
              "", f"**MAPE {summary['mape_pct']:.1f}%** (mean signed error {summary['signed_pct']:+.1f}%), "
@@ -234,6 +308,13 @@ def write_report(summary: dict, args, elapsed_s: float) -> None:
     for name, c in summary["planner"].items():
         lines.append(f"- planner's choice `{name}`: measured rank {c['rank']} of {c['of']} plans of its model "
                      f"and ranks, {c['behind_fastest_pct']:+.1f}% behind the fastest (`{c['fastest']}`)")
+    if summary.get("profile_spread"):
+        lines += ["", "How much the profile moved between its rounds (min / median / max, and (max - min) / median):",
+                  "", "| figure | ranks | min | median | max | spread |", "|---|---:|---:|---:|---:|---:|"]
+        for w, fields in summary["profile_spread"].items():
+            for label, v in fields.items():
+                lines.append(f"| {label} | {w} | {v['min']:.4g} | {v['median']:.4g} | {v['max']:.4g} | "
+                             f"{v['spread_pct']:.0f}% |")
     lines += ["", "| plan | ranks | configuration | predicted ms | measured ms | error | spread |",
               "|---|---:|---|---:|---:|---:|---:|"]
     for r in sorted(summary["rows"], key=lambda r: (r["world"], r["model"], r["measured_s"])):
@@ -248,6 +329,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile-rounds", type=int, default=3,
+                    help="quick profiles per world size, alternating; the profile is their median")
     ap.add_argument("--skip-profile", action="store_true", help="reuse benchmarks/measured/cpu*.yaml")
     ap.add_argument("--only", default="", help="comma-separated plan names (the planner's choices are added)")
     ap.add_argument("--worker", nargs=2, metavar=("PLANS", "OUT"), help=argparse.SUPPRESS)
@@ -257,10 +340,7 @@ def main() -> None:
     t0 = time.perf_counter()
     PROFILES.mkdir(parents=True, exist_ok=True)
     worlds = sorted({w for _, _, w, _ in CONFIGS})
-    if not args.skip_profile:
-        for w in worlds:
-            print(f"profiling {w} ranks ...", flush=True)
-            torchrun(w, "-m", "autoshard", "profile", "--quick", "--quiet", "-o", str(profile_file(w)))
+    spreads = {} if args.skip_profile else profile_rounds(worlds, max(1, args.profile_rounds))
     entries = build_plans(set(filter(None, args.only.split(","))) or None)
     measured: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -274,6 +354,7 @@ def main() -> None:
                          "--steps", str(args.steps), "--warmup", str(args.warmup))
                 measured.update(json.loads(out.read_text()))
     summary = summarize(entries, measured)
+    summary["profile_spread"] = {str(w): v for w, v in spreads.items()}
     write_report(summary, args, time.perf_counter() - t0)
     print(f"MAPE {summary['mape_pct']:.1f}%, Kendall tau {summary['kendall_tau']:.2f}, "
           f"{len(summary['rows'])} plans; report in benchmarks/measured_validation.md")
