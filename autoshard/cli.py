@@ -458,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "and write a cluster file for --cluster")
     pr.add_argument("-o", "--output", required=True, help="the cluster YAML to write")
     pr.add_argument("--quick", action="store_true", help="fewer shapes and sizes (under a minute on CPU ranks)")
+    pr.add_argument("--rounds", type=int, default=1,
+                    help="measure everything this many times and write the median of each number (a shared or "
+                         "busy machine: 3)")
     pr.add_argument("--cpu", action="store_true", help="profile CPU ranks (gloo) even if CUDA is available")
     pr.add_argument("--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
     pr.add_argument("--json", action="store_true")

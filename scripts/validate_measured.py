@@ -76,21 +76,6 @@ def profile_file(world: int) -> Path:
     return PROFILES / f"cpu{world}.yaml"
 
 
-def median_profile(rounds: list):
-    """Leaf by leaf, the median of several `autoshard profile` results of the same shape (numbers: the median;
-    lists of equal length: element by element, so a curve's points keep their sizes; text: the first round's)."""
-    first = rounds[0]
-    if isinstance(first, dict):
-        return {k: median_profile([r[k] for r in rounds]) for k in first}
-    if isinstance(first, list):
-        if any(not isinstance(r, list) or len(r) != len(first) for r in rounds):
-            raise ValueError("profile rounds differ in shape; re-run with the same --quick setting")
-        return [median_profile(list(items)) for items in zip(*rounds)]
-    if isinstance(first, bool) or not isinstance(first, (int, float)):
-        return first
-    return statistics.median(rounds)
-
-
 # the profile figures most predictions lean on: (label, path into the profile file)
 SPREAD_FIELDS = (("best GEMM TFLOP/s", ("gpu", "peak_tflops")), ("memory GB/s", ("gpu", "hbm_gbps")),
                  ("kernel launch us", ("gpu", "kernel_launch_us")), ("FSDP us per module", ("gpu", "fsdp_us_per_module")),
@@ -119,6 +104,8 @@ def profile_rounds(worlds: list[int], rounds: int) -> dict[int, dict]:
     """`rounds` quick profiles per world size, world sizes alternating; each world's median profile written to
     its file (header kept); returns {world: spread}."""
     import yaml
+
+    from autoshard.runtime.profile import median_profile
 
     got: dict[int, list[dict]] = {w: [] for w in worlds}
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
-__all__ = ["profile_cluster", "GRIDS"]
+__all__ = ["profile_cluster", "median_profile", "GRIDS"]
 
 GRIDS = {  # GEMM dims per (device, quick)
     ("cpu", True): (64, 256, 1024), ("cpu", False): (64, 256, 1024, 2048),
@@ -381,6 +381,26 @@ def _device_facts(c: _Ctx) -> tuple[str, float, int, float | None]:
     known = next((load_gpu(g) for g in gpu_names() if g.split("-")[0] in name), None)
     return f"{name}-measured", round(props.total_memory / 2**30, 2), props.multi_processor_count, \
         known.peak_tflops if known else None
+
+
+def median_profile(rounds: list):
+    """Leaf by leaf, the median of several `profile_cluster` results of the same shape (numbers: the median;
+    lists of equal length: element by element, so a curve keeps its sizes; text: the first round's). A shared
+    machine's slow minute moves one round's host costs by half or more; the median of three does not follow it."""
+    import statistics
+
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {k: median_profile([r[k] for r in rounds]) for k in first}
+    if isinstance(first, list):
+        if any(not isinstance(r, list) or len(r) != len(first) for r in rounds):
+            raise ValueError("profile rounds differ in shape; take them with the same --quick setting")
+        return [median_profile(list(items)) for items in zip(*rounds)]
+    if isinstance(first, bool) or not isinstance(first, (int, float)):
+        return first
+    if all(isinstance(r, int) for r in rounds):  # counts and sizes stay whole (one of the rounds' own)
+        return statistics.median_low(rounds)
+    return statistics.median(rounds)
 
 
 def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> dict | None:

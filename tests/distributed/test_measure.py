@@ -29,9 +29,10 @@ def test_measure_runs_a_plan_on_two_ranks_and_reports_measured_beside_predicted(
     assert report["error_pct"] == (report["predicted_s"] - step["median_s"]) / step["median_s"] * 100
 
 
-def test_profile_quick_on_two_ranks_writes_a_cluster_file_that_prices_attention_by_sequence_length(tmp_path):
+def test_profile_quick_on_two_ranks_writes_the_median_of_its_rounds_and_prices_attention_by_sequence_length(
+        tmp_path):
     out_file = tmp_path / "cluster.yaml"
-    run, logs = run_torchrun(["profile", "--quick", "-o", str(out_file)], nproc=2, workdir=tmp_path)
+    run, logs = run_torchrun(["profile", "--quick", "--rounds", "2", "-o", str(out_file)], nproc=2, workdir=tmp_path)
     assert run.returncode == 0, logs
     from autoshard.hardware_profiles import ClusterSpec
     from autoshard.runtime.profile import ATTENTION_SEQS
@@ -42,6 +43,9 @@ def test_profile_quick_on_two_ranks_writes_a_cluster_file_that_prices_attention_
     # the causal kernel measured at each --quick length, every point a fraction of peak
     assert [s for s, _ in gpu.flash_attention_by_seq] == list(ATTENTION_SEQS[("cpu", True)])
     assert all(0 < e <= 1 for _, e in gpu.flash_attention_by_seq)
+    # two rounds, each number their median, and every measured figure says so
+    assert all(s.endswith("(median of 2 rounds)") for s in gpu.sources.values() if s.startswith("measured"))
+    assert cluster.intra.sources["busbw_curve"].endswith("(median of 2 rounds)")
     est = subprocess.run([sys.executable, "-m", "autoshard.cli", "estimate",
                           "gpt:layers=2,hidden=64,heads=4,seq=256,vocab=128,attn=flash", "--cluster", str(out_file),
                           "--dp", "2", "--micro-batch", "1", "--global-batch", "2", "--json"],
