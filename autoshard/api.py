@@ -103,8 +103,6 @@ def _memory_fixes(cfg: HandConfig) -> tuple[str, tuple[str, ...]]:
     return ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1], tuple(params)
 
 
-
-
 def resolve_attention(model, attention: str = "auto") -> str | None:
     """The attention implementation to build `model` with (None: the model's own). "auto" is flash for decoder
     (gpt, llama) zoo and spec models that do not name theirs: causal FlashAttention-2 is what PyTorch SDPA runs

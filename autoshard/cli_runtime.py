@@ -71,7 +71,7 @@ def profile_command(args, emit) -> int:
     import yaml
 
     from autoshard.runtime.mesh import global_rank, init_distributed, shutdown_distributed
-    from autoshard.runtime.profile import median_profile, profile_cluster
+    from autoshard.runtime.profile import merge_rounds, profile_cluster
 
     init_distributed(device_type="cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     rank0 = global_rank() == 0
@@ -82,7 +82,7 @@ def profile_command(args, emit) -> int:
             progress(f"round {i + 1} of {args.rounds}")
         rounds.append(profile_cluster(quick=args.quick, progress=progress))
     args.progress.close()
-    data = rounds[0] if args.rounds == 1 or not rank0 else _median_of_rounds(median_profile(rounds), args.rounds)
+    data = merge_rounds(rounds) if rank0 else None
     if rank0:
         header = ("# Measured by `autoshard profile`: a cluster file for --cluster (this cluster) or\n"
                   "# --cluster NODESxGPUS@<this file> (the same GPUs and links, another size). Re-run it after\n"
@@ -98,13 +98,6 @@ def profile_command(args, emit) -> int:
              f"{data['intra']['busbw_gbps']['all_reduce']:.3g} GB/s busbw; use --cluster {target}")
     shutdown_distributed()
     return 0
-
-
-def _median_of_rounds(data: dict, rounds: int) -> dict:
-    """The merged profile, every measured number's source saying it is a median of `rounds` rounds."""
-    for part in (data["gpu"], data["intra"], data["inter"]):
-        part["sources"] = {k: f"{v} (median of {rounds} rounds)" for k, v in part["sources"].items()}
-    return data
 
 
 def _atomic_write(path: Path, text: str) -> None:

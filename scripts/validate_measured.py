@@ -105,28 +105,27 @@ def profile_rounds(worlds: list[int], rounds: int) -> dict[int, dict]:
     its file (header kept); returns {world: spread}."""
     import yaml
 
-    from autoshard.runtime.profile import median_profile
+    from autoshard.runtime.profile import merge_rounds
 
     got: dict[int, list[dict]] = {w: [] for w in worlds}
+    headers: dict[int, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(rounds):
             for w in worlds:
                 print(f"profiling {w} ranks (round {i + 1} of {rounds}) ...", flush=True)
                 out = Path(tmp, f"cpu{w}-{i}.yaml")
                 torchrun(w, "-m", "autoshard", "profile", "--quick", "--quiet", "-o", str(out))
-                got[w].append(yaml.safe_load(out.read_text()))
-                if i == 0:
-                    header = "".join(line for line in out.read_text().splitlines(keepends=True)
-                                     if line.startswith("#"))
-                    Path(tmp, f"header{w}").write_text(header)
-        spreads = {}
-        for w in worlds:
-            merged = median_profile(got[w])
-            note = (f"# Each number is the median of {rounds} rounds of `autoshard profile --quick` on {w} ranks "
-                    "(scripts/validate_measured.py).\n")
-            profile_file(w).write_text(Path(tmp, f"header{w}").read_text() + note +
-                                       yaml.safe_dump(merged, sort_keys=False, width=200, default_flow_style=None))
-            spreads[w] = profile_spread(got[w])
+                text = out.read_text()
+                got[w].append(yaml.safe_load(text))
+                headers.setdefault(w, "".join(line for line in text.splitlines(keepends=True)
+                                              if line.startswith("#")))
+    spreads = {}
+    for w in worlds:
+        note = (f"# Each number is the median of {rounds} rounds of `autoshard profile --quick` on {w} ranks "
+                "(scripts/validate_measured.py).\n")
+        profile_file(w).write_text(headers[w] + note + yaml.safe_dump(merge_rounds(got[w]), sort_keys=False,
+                                                                      width=200, default_flow_style=None))
+        spreads[w] = profile_spread(got[w])
     return spreads
 
 

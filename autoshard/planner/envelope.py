@@ -105,8 +105,9 @@ LARGEST_SHARDED_RUN = 512
 def sharding_warnings(plan, gpu_name: str) -> list[str]:
     """One line when the plan shards parameters (ZeRO-3) over a data-parallel group larger than any fully
     sharded run the model was checked against (GPU profiles only: `autoshard measure` checks CPU ranks)."""
-    dp = plan.mesh.degree("dp") if "dp" in plan.mesh.names else 1
-    if dp <= LARGEST_SHARDED_RUN or gpu_family(gpu_name) is None or not any(op.strategy.zero == 3 for op in plan.ops):
+    dp = plan.mesh.degree("dp")
+    if dp <= LARGEST_SHARDED_RUN or gpu_family(gpu_name) is None \
+            or not any(op.strategy.zero == 3 for op in plan.ops):
         return []
     return [f"parameters are sharded (ZeRO-3) over {dp:,} data-parallel ranks; the largest fully sharded run "
             f"checked is FSDP on {LARGEST_SHARDED_RUN} GPUs (MPT 70B, within 3%), and DeepSpeed's ZeRO-3 at "

@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
-__all__ = ["profile_cluster", "median_profile", "GRIDS"]
+__all__ = ["profile_cluster", "median_profile", "merge_rounds", "GRIDS"]
 
 GRIDS = {  # GEMM dims per (device, quick)
     ("cpu", True): (64, 256, 1024), ("cpu", False): (64, 256, 1024, 2048),
@@ -395,12 +395,23 @@ def median_profile(rounds: list):
     if isinstance(first, list):
         if any(not isinstance(r, list) or len(r) != len(first) for r in rounds):
             raise ValueError("profile rounds differ in shape; take them with the same --quick setting")
-        return [median_profile(list(items)) for items in zip(*rounds)]
+        return [median_profile(list(items)) for items in zip(*rounds, strict=True)]
     if isinstance(first, bool) or not isinstance(first, (int, float)):
         return first
     if all(isinstance(r, int) for r in rounds):  # counts and sizes stay whole (one of the rounds' own)
         return statistics.median_low(rounds)
     return statistics.median(rounds)
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """The cluster file of several `profile_cluster` rounds: each number their median (`median_profile`), each
+    measured figure's source saying so (one round: that round, unchanged)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    data = median_profile(rounds)
+    for part in (data["gpu"], data["intra"], data["inter"]):
+        part["sources"] = {k: f"{v} (median of {len(rounds)} rounds)" for k, v in part["sources"].items()}
+    return data
 
 
 def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | None = None) -> dict | None:
