@@ -226,3 +226,46 @@ def test_cpu_ranks_beyond_the_cores_compute_at_their_share_and_pipelines_fill_th
                           HandConfig(pp=4, micro_batch=2, global_batch=8, schedule="gpipe"))
     assert pp4.prediction.time.bubble_s < 0.5 * pp4.prediction.iteration_time_s * 3 / 7
     assert pp4_gpu.prediction.time.bubble_s > 0
+
+
+# -- pipeline boundaries ---------------------------------------------------------------------------------------
+def _cuts(graph, cluster, **cfg):
+    from autoshard.planner.evaluate import cut_sends
+    from autoshard.planner.prediction import context_for
+
+    plan, _ = estimate(graph, cluster, HandConfig(**cfg))
+    return cut_sends(graph, {p.op: p.strategy for p in plan.ops}, context_for(plan, cluster, graph), plan.pipeline)
+
+
+def test_a_tensor_parallel_pipeline_sends_a_1_over_t_slice_with_or_without_sequence_parallelism(llama):
+    """Megatron-LM's scatter/gather (Narayanan et al. 2021 §4.1): hidden states replicated over the
+    tensor-parallel group cross the pipeline as each rank's slice and are all-gathered inside the node;
+    under sequence parallelism they are sliced already and nothing is gathered."""
+    cluster = ClusterSpec.parse("2x4xA100-80GB")
+    cfg = dict(tp=4, pp=2, micro_batch=1, global_batch=4)
+    plain = _cuts(llama, cluster, **cfg)
+    sp = _cuts(llama, cluster, sequence_parallel=True, **cfg)
+    whole = llama.seq_len * 256 * 2  # seq x hidden x bf16, one sample
+    assert plain == [(whole / 4, whole, ("tp",))]
+    assert sp == [(whole / 4, whole, ())]
+    # one stage per rank group: nothing to scatter without tensor parallelism
+    assert _cuts(llama, cluster, pp=2, dp=4, micro_batch=1, global_batch=8) == [(whole, whole, ())]
+
+
+def test_the_last_pipeline_stage_waits_for_its_inputs_and_the_first_for_its_gradients(llama):
+    """Sends are asynchronous, receives block: every stage of a pipeline waits for what crosses the cuts
+    beside it, the first and last stage once per micro-batch, an inner stage twice. The same pipeline with
+    its stages across nodes and inside one node differs by exactly those waits."""
+    from autoshard.planner.prediction import context_for
+
+    cfg = HandConfig(pp=4, micro_batch=1, global_batch=8)
+    hidden = llama.seq_len * 256 * 2  # seq x hidden x bf16, one sample
+    times, transfer = {}, {}
+    for spec in ("4x1xA100-80GB", "1x4xA100-80GB"):  # one GPU per node: every send crosses the network
+        cluster = ClusterSpec.parse(spec)
+        plan, ev = estimate(llama, cluster, cfg)
+        times[spec], transfer[spec] = ev.stage_time_s, context_for(plan, cluster, llama).p2p_s(hidden)
+    extra = transfer["4x1xA100-80GB"] - transfer["1x4xA100-80GB"]
+    assert extra > 0
+    waits = [a - b for a, b in zip(times["4x1xA100-80GB"], times["1x4xA100-80GB"], strict=True)]
+    assert waits == pytest.approx([extra, 2 * extra, 2 * extra, extra])

@@ -11,7 +11,9 @@ forward + backward time per micro-batch (compute, tensor-parallel communication,
     interleaved-1f1b:          (m + (p − 1)/v)·t, p2p traffic ×v   (ibid. §2.2.2)
     looped-bfs (layered):      (m + (p − 1)/v)·t, ZeRO gathers and reductions once per step, not per
                                micro-batch (Lamy-Poirier 2021 §3-4)
-plus the exposed part of the per-iteration gradient reduction and the optimizer step.
+plus the exposed part of the per-iteration gradient reduction and the optimizer step. t includes the
+pipeline receives the stage waits for (`_boundaries`: a received chunk's hidden states, a sent chunk's
+gradient; two transfers per chunk on inner stages, one on the first and last).
 
 Overlap (`cost_models/overlap.py`): ZeRO gathers of a micro-batch's forward overlap its forward compute only,
 its backward gathers and gradient reduce-scatters its backward compute only (a backward collective cannot
@@ -162,7 +164,7 @@ class _Stage:
     transient: float = 0.0
     loss_bytes: float = 0.0  # cross-entropy buffers at the start of backward (last stage)
     recompute_peak: float = 0.0  # one block's activations, re-materialized in its backward
-    boundary_bytes: float = 0.0
+    p2p: float = 0.0  # seconds it waits for pipeline receives per micro-batch (`_boundaries`)
 
 
 def _template_costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, tg):
@@ -273,35 +275,68 @@ def _boundary_edges(graph: OpGraph, pipe: PipelineSpec):
     return cache[key]
 
 
-def cut_bytes(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pipe: PipelineSpec) -> list[float]:
-    """Bytes one rank sends across each cut between consecutive chunks (cut c: chunk c -> c + 1) per
-    micro-batch: the largest activation chunk c hands to chunk c + 1, the hidden states (the runtime sends
+def cut_sends(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext,
+              pipe: PipelineSpec) -> list[tuple[float, float, tuple[str, ...]]]:
+    """Per cut between consecutive chunks (cut c: chunk c -> c + 1), per micro-batch: (bytes one rank sends
+    across it, bytes of the hidden states it hands over, the tensor-parallel axes the receiver all-gathers
+    them on). The hidden states are the largest activation chunk c hands to chunk c + 1 (the runtime sends
     only those; what later chunks need from before the blocks, rotary tables, masks, they compute again in
-    the model's own forward), this data-parallel replica's micro-batch, divided over the tensor-parallel axes
-    its producer shards the sequence on (sequence parallelism: Megatron-LM's scatter/gather, Narayanan et al.
-    2021 §4.1) and whole on the others, as runtime/pipeline.py `_SPMDBoundary` sends it (measured in
-    tests/distributed/test_pipeline.py). Its gradient comes back across the same cut in backward."""
+    the model's own forward), for this data-parallel replica's micro-batch. With tensor parallelism across a
+    pipeline (degree > 1) each tensor-parallel rank sends only its 1/t slice of the sequence: sequence
+    parallelism leaves them sharded so already; when the producer leaves them replicated over the
+    tensor-parallel group (1D without sequence parallelism), the sender keeps its slice and the receiver
+    all-gathers the rest over the group's fast links (Megatron-LM's scatter/gather of pipeline sends,
+    Narayanan et al. 2021 §4.1), their gradient the same way back. Other layouts go as the producer shards
+    the sequence. runtime/pipeline.py `_SPMDBoundary` sends exactly this (measured in
+    tests/distributed/test_pipeline.py). A sequence the tensor-parallel degree does not divide goes whole."""
     chunks = pipe.degree * pipe.virtual_stages
-    out = [0.0] * max(0, chunks - 1)
+    out: list[tuple[float, float, tuple[str, ...]]] = [(0.0, 0.0, ())] * max(0, chunks - 1)
     if chunks == 1:
         return out
     to_t = template_for(graph, pipe)[0].to_template
+    tp_axes = tuple(a for a in ctx.mesh.tp_axes if ctx.mesh.degree(a) > 1) if pipe.degree > 1 else ()
+    t = math.prod(ctx.mesh.degree(a) for a in tp_axes)
     for src, c_src, c_dst, meta in _boundary_edges(graph, pipe):
         if c_dst != c_src + 1:
             continue
         lay = (assign.get(src) or assign[to_t[src]]).output
-        shards = math.prod(ctx.mesh.degree(a) for a, p in lay.items if p == SEQ and a != "dp")
-        out[c_src] = max(out[c_src], tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / shards)
+        planned = tuple(a for a, p in lay.items if p == SEQ and a != "dp")
+        whole = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch)
+        replicated = not any(a in tp_axes for a, _ in lay.items)
+        if t > 1 and replicated and len(meta.shape) >= 2 and meta.shape[1] % t == 0:
+            sent = (whole / t, whole, tp_axes)
+        else:
+            sent = (whole / math.prod(ctx.mesh.degree(a) for a in planned), whole, ())
+        if sent[0] > out[c_src][0]:
+            out[c_src] = sent
     return out
 
 
+def cut_bytes(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pipe: PipelineSpec) -> list[float]:
+    """Bytes one rank sends across each cut per micro-batch (`cut_sends`); the gradient comes back across
+    the same cut in backward."""
+    return [sent for sent, _, _ in cut_sends(graph, assign, ctx, pipe)]
+
+
 def _boundaries(graph, assign, ctx, pipe, stages) -> None:
-    """Bytes a stage sends per micro-batch and chunk (the time model prices one send each way per chunk)."""
+    """What a stage waits for at chunk boundaries, per micro-batch: the hidden states of each chunk it holds
+    arriving across the cut before it (forward) and their gradient across the cut after it (backward); its own
+    sends are asynchronous (`isend`) and cost it nothing, a receive blocks until the data is there
+    (torch.distributed.pipelining posts and waits each receive right before the compute that needs it). So
+    inner stages wait for two transfers per chunk, the first and last stage of the pipeline for one. Plus the
+    tensor-parallel all-gathers of scattered sends (`cut_sends`): the receiver's of the hidden states in
+    forward, the sender's of their gradient in backward."""
     if pipe.degree == 1:
         return
-    for c, nb in enumerate(cut_bytes(graph, assign, ctx, pipe)):
-        st = stages[c % pipe.degree]
-        st.boundary_bytes = max(st.boundary_bytes, nb)
+    for c, (sent, whole, gather) in enumerate(cut_sends(graph, assign, ctx, pipe)):
+        sender, receiver = stages[c % pipe.degree], stages[(c + 1) % pipe.degree]
+        wait = ctx.p2p_s(sent)
+        sender.p2p += wait
+        receiver.p2p += wait
+        if gather:
+            t = ctx.collective_s("all_gather", whole, gather)
+            sender.tp += t
+            receiver.tp += t
 
 
 def stage_exposed_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) -> tuple[float, float]:
@@ -332,14 +367,12 @@ def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: in
     Ranks sharing cores (`core_share` < 1) compute at their share while all of them are busy; a pipeline's
     bubble leaves some idle, so its step is the longer of the schedule at full speed and the stages' work at
     their share (the cores are busy either way)."""
-    p, v = pipe.degree, pipe.virtual_stages
     share = core_share(ctx)
     full, shared = [], []
     for st in stages:
         dp, tp = stage_exposed_s(st, ctx, pipe, m)
-        p2p = 2 * v * ctx.p2p_s(st.boundary_bytes) if p > 1 else 0.0
-        full.append(st.fwd + st.bwd + tp + dp + p2p)
-        shared.append((st.fwd + st.bwd) / share + tp + dp + p2p)
+        full.append(st.fwd + st.bwd + tp + dp + st.p2p)
+        shared.append((st.fwd + st.bwd) / share + tp + dp + st.p2p)
     fill = pipeline_fill(pipe)
     t, t_shared = max(full), max(shared)
     slow = full.index(t)

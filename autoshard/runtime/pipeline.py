@@ -173,17 +173,19 @@ class _ScaleGrad(torch.autograd.Function):
 @dataclass
 class _SPMDBoundary:
     """A chunk's forward on a stage mesh: the local slice in, DTensors inside, the local slice out. Between
-    chunks the hidden states are sent as the plan lays them out at the cut: a data-parallel rank's batch
-    slice, and under sequence parallelism each tensor-parallel rank's slice of the sequence (Megatron-LM's
-    scatter/gather of pipeline sends, Narayanan et al. 2021 §4.1: 1/t of the bytes); replicated on the other
-    axes. The first chunk takes the token ids replicated on the tensor-parallel axes; the last hands the
+    chunks the hidden states travel as a data-parallel rank's batch slice and, with tensor parallelism, each
+    tensor-parallel rank's slice of the sequence (Megatron-LM's scatter/gather of pipeline sends, Narayanan
+    et al. 2021 §4.1: 1/t of the bytes): under sequence parallelism the plan's own layout; where the plan
+    keeps them replicated, the sender keeps its slice (no communication) and the receiver all-gathers them
+    over the tensor-parallel group before its first op, their gradient the reverse way (`cut_send_axes`). The first chunk takes the token ids replicated on the tensor-parallel axes; the last hands the
     loss its output at full width, with the gradient scaled by 1/dp, because the loss of one dp rank's slice
     is its term of the global mean (see parallel_module._to_local)."""
 
     mesh: DeviceMesh
     grad_scale: float = 1.0
-    seq_in: tuple[str, ...] = ()  # axes the chunk's input is sequence-sharded on (not the first chunk)
+    seq_in: tuple[str, ...] = ()  # axes the chunk's input is sequence-sharded on, as the plan lays it out
     seq_out: tuple[str, ...] = ()  # axes its output is sent sequence-sharded on (not the last chunk)
+    seq_recv: tuple[str, ...] = ()  # axes its input arrives sequence-sharded on (the previous chunk's seq_out)
 
     def _placements(self, x: torch.Tensor, seq_axes: tuple[str, ...]) -> list:
         return [Shard(0) if n == "dp" and x.dim() > 0 else Shard(1) if n in seq_axes else Replicate()
@@ -191,7 +193,10 @@ class _SPMDBoundary:
 
     def __call__(self, chunk: PipelineChunk, x: torch.Tensor) -> torch.Tensor:
         with SPMDMode():
-            y = chunk.run(DTensor.from_local(x, self.mesh, self._placements(x, self.seq_in), run_check=False))
+            x = DTensor.from_local(x, self.mesh, self._placements(x, self.seq_recv), run_check=False)
+            if self.seq_recv != self.seq_in:  # a scattered send: all-gather it (its gradient: the local slice)
+                x = x.redistribute(self.mesh, self._placements(x, self.seq_in))
+            y = chunk.run(x)
             if not isinstance(y, DTensor):
                 return y
             target = self._placements(y, self.seq_out)
@@ -200,19 +205,49 @@ class _SPMDBoundary:
         return _ScaleGrad.apply(local, self.grad_scale) if local.requires_grad else local
 
 
-def cut_sequence_axes(plan: Plan, stage_layers: tuple[tuple[int, int], ...]) -> list[tuple[str, ...]]:
-    """Per cut c (chunk c -> c + 1): the tensor-parallel axes the hidden states are sequence-sharded on there,
-    from the plan's layout of the last op of chunk c's last block (the cost model's `evaluate.cut_bytes`
-    prices the same)."""
+def cut_sequence_axes(plan: Plan, stage_layers: tuple[tuple[int, int], ...]) -> list[tuple[str, ...] | None]:
+    """Per cut c (chunk c -> c + 1): the tensor-parallel axes the plan's layout shards the hidden states'
+    sequence on there, from the last op of chunk c's last block; None where that layout leaves them
+    replicated over every tensor-parallel axis (what `cut_send_axes` may scatter)."""
     last = {}
     for op in plan.ops:
         if op.layer is not None:
             last[op.layer] = op
-    out = []
+    tp_axes = {a for a in plan.mesh.tp_axes if plan.mesh.degree(a) > 1}
+    out: list[tuple[str, ...] | None] = []
     for lo, hi in stage_layers[:-1]:
         op = last.get(hi - 1) if hi > lo else None
         lay = op.strategy.output if op is not None else None
-        out.append(tuple(a for a, p in lay.items if p == SEQ and a != "dp") if lay is not None else ())
+        if lay is None:
+            out.append(())
+        elif not any(a in tp_axes for a, _ in lay.items):
+            out.append(None)
+        else:
+            out.append(tuple(a for a, p in lay.items if p == SEQ and a != "dp"))
+    return out
+
+
+def _planned(axes: tuple[str, ...] | None) -> tuple[str, ...]:
+    return axes or ()
+
+
+def cut_send_axes(plan: Plan, planned: list[tuple[str, ...] | None],
+                  hidden: list[tuple[int, ...]]) -> list[tuple[str, ...]]:
+    """Per cut: the axes the hidden states (shape `hidden[c]`) travel sequence-sharded on. As the plan lays
+    them out; where it leaves them replicated over the tensor-parallel group and the pipeline has more than
+    one stage, every tensor-parallel axis: each rank sends its 1/t slice and the receiver all-gathers them
+    (Megatron-LM's scatter/gather, Narayanan et al. 2021 §4.1; `evaluate.cut_sends` prices the same), unless
+    t does not divide the sequence."""
+    tp_axes = tuple(a for a in plan.mesh.tp_axes if plan.mesh.degree(a) > 1)
+    t = math.prod(plan.mesh.degree(a) for a in tp_axes)
+    out = []
+    for axes, shape in zip(planned, hidden, strict=True):
+        if axes is not None:
+            out.append(axes)
+        elif plan.pipeline.degree > 1 and t > 1 and len(shape) >= 2 and shape[1] % t == 0:
+            out.append(tp_axes)
+        else:
+            out.append(())
     return out
 
 
@@ -258,22 +293,30 @@ def _check_schedule(plan: Plan) -> str:
     return name
 
 
-def _chunk_io(chunks: list[PipelineChunk], example: torch.Tensor, micro_batch: int,
-              cut_shards: list[int]) -> list[tuple]:
-    """(input, output) meta tensors of every chunk for one micro-batch of this rank's dp slice, from a
-    fake-tensor run of the unparallelized chunks, as the boundary hands them over: full width, but the
-    sequence (dim 1) divided by `cut_shards[c]` across cut c."""
-    io = []
+def _chunk_shapes(chunks: list[PipelineChunk], example: torch.Tensor, micro_batch: int) -> list[tuple]:
+    """(input, output) of every chunk for one micro-batch of this rank's dp slice, at full width, as meta
+    tensors, from a fake-tensor run of the unparallelized chunks."""
+    out = []
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         device = next(chunks[0].parameters(), example).device
         x = torch.empty((micro_batch, *example.shape[1:]), dtype=example.dtype, device=device)
         for chunk in chunks:
             y = chunk.run(x)
-            c = chunk.index
-            x_in = _meta(x, grad=not chunk.is_first, seq_shards=cut_shards[c - 1] if c > 0 else 1)
-            y_out = _meta(y, grad=True, seq_shards=cut_shards[c] if c < len(cut_shards) else 1)
-            io.append((x_in, y_out))
+            out.append((torch.empty(x.shape, dtype=x.dtype, device="meta"),
+                        torch.empty(y.shape, dtype=y.dtype, device="meta")))
             x = y
+    return out
+
+
+def _chunk_io(shapes: list[tuple], cut_shards: list[int]) -> list[tuple]:
+    """(input, output) meta tensors of every chunk as the boundary hands them over: the sequence (dim 1)
+    divided by `cut_shards[c]` across cut c."""
+    io = []
+    last = len(shapes) - 1
+    for c, (x, y) in enumerate(shapes):
+        x_in = _meta(x, grad=c > 0, seq_shards=cut_shards[c - 1] if c > 0 else 1)
+        y_out = _meta(y, grad=True, seq_shards=cut_shards[c] if c < last else 1)
+        io.append((x_in, y_out))
     return io
 
 
@@ -314,8 +357,9 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
     full = build_pipeline_mesh(plan, device_type=device_type)  # 1
     degree, pp_rank = plan.pipeline.degree, full.get_local_rank("pp")
     local = [c for c in chunks if c.index % degree == pp_rank]  # 2
-    io = _chunk_io(chunks, example, plan.micro_batch, [math.prod(plan.mesh.degree(a) for a in axes)
-                                                       for axes in seq_axes])
+    shapes = _chunk_shapes(chunks, example, plan.micro_batch)
+    send_axes = cut_send_axes(plan, seq_axes, [tuple(y.shape) for _, y in shapes[:-1]])
+    io = _chunk_io(shapes, [math.prod(plan.mesh.degree(a) for a in axes) for axes in send_axes])
     tied = untie_across_chunks(chunks, {c.index for c in local})
     mesh = _stage_mesh(full, plan, device_type)
     _check_tied_layouts(tied, specs, chunks, mesh)
@@ -326,8 +370,9 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
             apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh, plan)
             c = chunk.index
             chunk.boundary = _SPMDBoundary(mesh, grad_scale=1.0 / dp if chunk.is_last else 1.0,
-                                           seq_in=seq_axes[c - 1] if c > 0 else (),
-                                           seq_out=seq_axes[c] if c < len(seq_axes) else ())
+                                           seq_in=_planned(seq_axes[c - 1]) if c > 0 else (),
+                                           seq_out=send_axes[c] if c < len(send_axes) else (),
+                                           seq_recv=send_axes[c - 1] if c > 0 else ())
         else:  # a one-rank stage: plain tensors, only recomputation to apply
             apply_recompute(chunk, plan, scores=materializes_scores(plan))
         if name == "looped-bfs":
