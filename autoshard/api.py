@@ -27,7 +27,7 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
                     global_batch: int, seq: int | None = None, recompute: str = "none",
                     sequence_parallel: bool = False, virtual_stages: int = 1, schedule: str | None = None,
                     zero: int = 0, attention: str = "auto", fused_kernels: bool = False,
-                    tp_comm_overlap: bool = False, allocator: str = "expandable", check_memory: bool = True):
+                    tp_comm_overlap: str | bool = "", allocator: str = "expandable", check_memory: bool = True):
     """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
 
     `attention` for zoo and spec models: "flash" (causal FlashAttention-2, what PyTorch SDPA, Megatron-Core,
@@ -35,7 +35,8 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     softmax before flash attention, Hugging Face "eager"), "sdpa" (Hugging Face's masked SDPA), or "auto":
     flash, unless the model spec names its attention (`attn=`). `fused_kernels`: each pointwise region runs as
     one kernel (Megatron-LM's fused kernels, torch.compile) instead of one kernel per ATen op (eager PyTorch).
-    `tp_comm_overlap`: tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap).
+    `tp_comm_overlap`: tensor-parallel collectives overlap compute: "backward" (Megatron-LM's asynchronous
+    tensor-parallel communication) or "all" / True (Megatron-Core --tp-comm-overlap).
     `allocator`: PyTorch's CUDA allocator mode, "expandable" (expandable_segments:True, as torchtitan and
     autoshard's runtime set it) or "caching" (the default; about 15% of per-step memory lost to fragmentation).
     """

@@ -413,9 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fused-kernels", action="store_true",
                    help="price each pointwise region as one fused kernel (Megatron-LM's fused kernels, "
                         "torch.compile); default: one kernel per ATen op, as eager PyTorch runs it")
-    e.add_argument("--tp-comm-overlap", action="store_true",
-                   help="tensor-parallel collectives overlap the GEMMs (Megatron-Core --tp-comm-overlap; "
-                        "autoshard's runtime does not, so plans never assume it)")
+    e.add_argument("--tp-comm-overlap", nargs="?", const="all", default="", choices=("backward", "all"),
+                   help="tensor-parallel collectives overlap compute, as autoshard's runtime does not (plans never "
+                        "assume it): 'all' (the default when given) as Megatron-Core's --tp-comm-overlap; "
+                        "'backward': each linear's input-gradient collective runs beside its weight-gradient GEMM, "
+                        "as Megatron-LM's asynchronous tensor-parallel communication (2022 on)")
     e.add_argument("--allocator", choices=("expandable", "caching"), default="expandable",
                    help="PyTorch CUDA allocator mode: expandable (expandable_segments:True, as torchtitan and "
                         "autoshard's runtime run) or caching (PyTorch's default: ~15%% of per-step memory "

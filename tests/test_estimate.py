@@ -111,3 +111,26 @@ def test_more_pipeline_chunks_than_layers_is_a_one_line_error():
               "--pp", "8", "--global-batch", "8")
     assert out.returncode == 2 and "4 layers cannot fill 8 pipeline chunks" in out.stderr
     assert out.stderr.count("\n") == 1
+
+
+def test_backward_tp_overlap_hides_input_gradient_collectives_and_all_also_the_forward_ones():
+    """`--tp-comm-overlap backward` (Megatron-LM's asynchronous tensor-parallel communication) hides what
+    runs beside the weight-gradient GEMMs, never more than the backward collectives; `--tp-comm-overlap`
+    alone means "all" (Megatron-Core's); an unknown mode is a one-line exit-2 error."""
+    model = "gpt:layers=4,hidden=2048,heads=16,seq=2048,vocab=1024"
+    kw = dict(tp=8, micro_batch=2, global_batch=2)
+    times = {mode: estimate_config(model, "1x8xA100-80GB", tp_comm_overlap=mode, **kw)[0].prediction
+             for mode in ("", "backward", "all", True)}
+    comm = {m: p.time.exposed_comm_s for m, p in times.items()}
+    assert comm[""] > comm["backward"] > comm["all"]
+    assert comm[True] == comm["all"]
+    # Megatron 1D without sequence parallelism: half of the all-reduces are in backward
+    assert comm[""] - comm["backward"] < comm[""] / 2
+    assert {p.time.compute_s for p in times.values()} == {times[""].time.compute_s}
+    args = ("estimate", model, "--cluster", "1x8xA100-80GB", "--tp", "8", "--micro-batch", "2", "--global-batch",
+            "2", "--json")
+    flag, backward = run(*args, "--tp-comm-overlap"), run(*args, "--tp-comm-overlap", "backward")
+    assert flag.returncode == 0 and backward.returncode == 0, flag.stderr + backward.stderr
+    assert json.loads(flag.stdout)["iteration_time_s"] < json.loads(backward.stdout)["iteration_time_s"]
+    bad = run(*args, "--tp-comm-overlap", "forward")
+    assert bad.returncode == 2 and "--tp-comm-overlap" in bad.stderr

@@ -18,7 +18,7 @@ the second term being the communication that outlasts compute, or else the time 
 
 from __future__ import annotations
 
-__all__ = ["exposed_comm_s"]
+__all__ = ["exposed_comm_s", "exposed_beside_s"]
 
 
 def exposed_comm_s(compute_s: float, comm_s: float, *, units: int, slowdown: float) -> float:
@@ -30,3 +30,15 @@ def exposed_comm_s(compute_s: float, comm_s: float, *, units: int, slowdown: flo
     first = comm_s / units
     rest = comm_s - first
     return first + max(rest - compute_s, rest * (1.0 - 1.0 / slowdown))
+
+
+def exposed_beside_s(compute_s: float, comm_s: float, *, slowdown: float) -> float:
+    """Seconds beyond `compute_s` of `comm_s` issued at the same moment as `compute_s` of kernels it can run
+    beside (nothing to wait for first): Megatron-LM's asynchronous tensor-parallel all-reduce of a
+    column-parallel linear's input gradient, launched before its weight-gradient GEMM
+    (megatron/core/tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication)."""
+    if comm_s <= 0:
+        return 0.0
+    if slowdown < 1:
+        raise ValueError(f"slowdown must be >= 1, got {slowdown}")
+    return max(comm_s - compute_s, comm_s * (1.0 - 1.0 / slowdown))

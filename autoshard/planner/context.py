@@ -12,7 +12,9 @@ from autoshard.cost_models.comm import GroupPlacement, collective_time_s, group_
 from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION, BF16_MIXED, FP32, Precision
 from autoshard.planner.layouts import MeshSpec
 
-__all__ = ["PlanContext", "default_precision"]
+__all__ = ["PlanContext", "default_precision", "TP_OVERLAP"]
+
+TP_OVERLAP = ("", "backward", "all")
 
 
 def default_precision(cluster) -> Precision:
@@ -29,7 +31,10 @@ class PlanContext:
     precision: Precision = BF16_MIXED
     recompute: str = "none"
     seq: int | None = None
-    tp_overlap: bool = False  # tensor-parallel collectives overlap compute (Megatron-Core --tp-comm-overlap)
+    # tensor-parallel collectives overlap compute (TP_OVERLAP): "" never (the runtime's); "backward": the
+    # backward ones each column-parallel linear's weight-gradient GEMM (Megatron-LM's asynchronous
+    # tensor-parallel communication); "all": all of them all compute (Megatron-Core --tp-comm-overlap)
+    tp_overlap: str = ""
     # pointwise ops as one fused kernel each (Megatron-LM's fused kernels, torch.compile); False: eager
     # PyTorch, one kernel per ATen op (the runtime's own execution)
     fused_pointwise: bool = False
@@ -39,6 +44,8 @@ class PlanContext:
     def __post_init__(self) -> None:
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.tp_overlap not in TP_OVERLAP:
+            raise ValueError(f"unknown tp_overlap {self.tp_overlap!r}; use one of {TP_OVERLAP}")
         if self.allocator not in ALLOCATOR_FRAGMENTATION:
             raise ValueError(f"unknown allocator {self.allocator!r}; use one of {', '.join(ALLOCATOR_FRAGMENTATION)}")
         if self.mesh.size > self.cluster.num_gpus:

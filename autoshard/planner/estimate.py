@@ -8,7 +8,7 @@ from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.cost_models.memory import ALLOCATORS
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.planner.bounds import block_costs
-from autoshard.planner.context import PlanContext, default_precision
+from autoshard.planner.context import TP_OVERLAP, PlanContext, default_precision
 from autoshard.planner.contract import (
     attention_head_counts,
     attention_kernel,
@@ -37,10 +37,17 @@ class HandConfig:
     schedule: str | None = None  # default: 1f1b, or interleaved-1f1b when virtual_stages > 1
     zero: int = 0
     fused_kernels: bool = False  # pointwise regions as one kernel each (Megatron-LM, torch.compile)
-    tp_comm_overlap: bool = False  # tensor-parallel collectives overlap the GEMMs (Megatron-Core)
+    # tensor-parallel collectives overlap compute: "" no (autoshard's runtime), "backward" (Megatron-LM's
+    # asynchronous TP communication), "all" (Megatron-Core --tp-comm-overlap); True means "all"
+    tp_comm_overlap: str | bool = ""
     allocator: str = "expandable"  # PyTorch CUDA allocator mode: expandable (segments) or caching (default)
 
     def __post_init__(self) -> None:
+        if isinstance(self.tp_comm_overlap, bool):
+            object.__setattr__(self, "tp_comm_overlap", "all" if self.tp_comm_overlap else "")
+        if self.tp_comm_overlap not in TP_OVERLAP:
+            raise ConfigurationError(f"tp_comm_overlap={self.tp_comm_overlap!r}: use 'backward' or 'all' (or leave "
+                                     "it off)", params=("tp_comm_overlap",))
         for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages"):
             require_positive(name, getattr(self, name))
         if self.virtual_stages > 1 and self.pp == 1:  # checked here: before the model is captured

@@ -19,9 +19,11 @@ Overlap (`cost_models/overlap.py`): ZeRO gathers of a micro-batch's forward over
 its backward gathers and gradient reduce-scatters its backward compute only (a backward collective cannot
 start before the backward does), one FSDP unit per block, compute slowed by the GPU's `overlap_slowdown`
 while they run; the per-iteration gradient reduction overlaps the last micro-batch's backward the same way.
-Tensor-parallel collectives are on the critical path (the runtime's, and Megatron-LM's without
---tp-comm-overlap); with `PlanContext.tp_overlap` (Megatron-Core's --tp-comm-overlap, `estimate` only: the
-runtime cannot) they overlap the stage's compute like ZeRO traffic.
+Tensor-parallel collectives are on the critical path (the runtime's). `PlanContext.tp_overlap` prices other
+engines (`estimate` only: the runtime cannot): "backward", Megatron-LM's asynchronous tensor-parallel
+communication, where the collective of a linear's input gradient runs beside that linear's weight-gradient
+GEMM (`_beside_wgrad`); "all", Megatron-Core's --tp-comm-overlap, where they overlap the stage's compute like
+ZeRO traffic.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from autoshard.cost_models.memory import (
     optimizer_step_bytes,
     tensor_bytes,
 )
-from autoshard.cost_models.overlap import exposed_comm_s
+from autoshard.cost_models.overlap import exposed_beside_s, exposed_comm_s
 from autoshard.planner.cache import graph_cache
 from autoshard.planner.context import PlanContext
 from autoshard.planner.layouts import BATCH, SEQ, Layout
@@ -165,6 +167,7 @@ class _Stage:
     loss_bytes: float = 0.0  # cross-entropy buffers at the start of backward (last stage)
     recompute_peak: float = 0.0  # one block's activations, re-materialized in its backward
     p2p: float = 0.0  # seconds it waits for pipeline receives per micro-batch (`_boundaries`)
+    tp_hidden: float = 0.0  # of `tp`, what runs beside weight-gradient GEMMs (tp_overlap "backward")
 
 
 def _template_costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, tg):
@@ -194,6 +197,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.fwd += n * c.fwd_s
             st.bwd += n * (c.bwd_s + c.recompute_s)
             st.tp += n * (c.tp_fwd_s + c.tp_bwd_s)
+            st.tp_hidden += n * _beside_wgrad(c.tp_bwd_s, op.name, op_costs, graph, ctx)
             st.dp_fwd += n * c.dp_fwd_s
             st.dp_bwd += n * c.dp_bwd_s
             st.dp_iter += n * c.dp_iter_s
@@ -207,8 +211,10 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
     for e in tg.edges:
         c = edges[(e.src, e.dst, e.index)]
         t = c.time_s + (c.fwd_s if ctx.recompute == "full" and e.in_block else 0.0)
+        hidden = _beside_wgrad(c.bwd_s, e.dst, op_costs, graph, ctx)
         for k, n in enumerate(e.per_stage):
             stages[k].tp += n * t
+            stages[k].tp_hidden += n * hidden
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
@@ -221,6 +227,18 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
         st.units = units[k]
     _boundaries(graph, assign, ctx, pipe, stages)
     return stages
+
+
+def _beside_wgrad(comm_s: float, name: str, op_costs, graph: OpGraph, ctx: PlanContext) -> float:
+    """Of `comm_s` of backward tensor-parallel communication feeding op `name`'s input gradient, the seconds
+    that run beside that op's weight-gradient GEMM (half its backward) under tp_overlap "backward": Megatron-LM
+    launches the collective asynchronously before the weight-gradient GEMM. 0 for ops without weights."""
+    if ctx.tp_overlap != "backward" or comm_s <= 0:
+        return 0.0
+    op = graph.op(name)
+    if op.kind not in (OpKind.LINEAR, OpKind.MATMUL) or not any(p.owner for p in op.params):
+        return 0.0
+    return comm_s - exposed_beside_s(op_costs[name].bwd_s / 2, comm_s, slowdown=ctx.gpu.overlap_slowdown)
 
 
 def _optim_bytes_per_param(ctx: PlanContext) -> float:
@@ -348,7 +366,10 @@ def stage_exposed_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) ->
     else:
         dp = (exposed_comm_s(st.fwd, st.dp_fwd, units=u, slowdown=s)
               + exposed_comm_s(st.bwd, st.dp_bwd, units=u, slowdown=s))
-    tp = exposed_comm_s(st.fwd + st.bwd, st.tp, units=u, slowdown=s) if ctx.tp_overlap else st.tp
+    if ctx.tp_overlap == "all":
+        tp = exposed_comm_s(st.fwd + st.bwd, st.tp, units=u, slowdown=s)
+    else:  # "backward": what ran beside weight-gradient GEMMs is hidden (`_beside_wgrad`); "": nothing is
+        tp = st.tp - st.tp_hidden
     return dp, tp
 
 

@@ -260,7 +260,7 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
         Ef = _overlap_rows(lp, f"Ef_{k}", dpf, fwd, units=u, slowdown=slow, per=per)
         Eb = _overlap_rows(lp, f"Eb_{k}", dpb, bwd, units=u, slowdown=slow, per=per)
         first = [(v, c / (u * per)) for v, c in dpf + dpb]
-        if ctx.tp_overlap:
+        if ctx.tp_overlap == "all":  # the planner never sets it; estimate prices "backward" (evaluate.py)
             Et = _overlap_rows(lp, f"Et_{k}", tp, fwd + bwd, units=u, slowdown=slow)
             tp_terms = [(v, c / u) for v, c in tp] + [(Et, 1.0)]
         else:
