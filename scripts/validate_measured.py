@@ -63,6 +63,7 @@ CONFIGS = [
     ("llama-pp2-dp2-looped-bfs", LLAMA, 4, dict(pp=2, dp=2, micro_batch=1, virtual_stages=2,
                                                  schedule="looped-bfs", zero=3)),
     ("llama-pp4-gpipe", LLAMA, 4, dict(pp=4, micro_batch=2, schedule="gpipe")),
+    ("llama-pp2-tp2-1f1b", LLAMA, 4, dict(pp=2, tp=2, micro_batch=2)),  # scattered sends, gathered in the stage
     ("gpt-dp2", GPT, 2, dict(dp=2, micro_batch=4)),
     ("gpt-zero3-2", GPT, 2, dict(dp=2, micro_batch=2, zero=3)),
     ("gpt-tp2", GPT, 2, dict(tp=2, dp=1, micro_batch=8)),
