@@ -126,11 +126,11 @@ def _cmd_estimate(args) -> int:
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             **prediction_json(pred), "warnings": _warnings(pred, cluster, plan)}
-    from autoshard.planner.explain import batch_label
+    from autoshard.planner.explain import batch_label, recompute_label
 
     head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch "
-            f"{batch_label(plan.micro_batch, plan.num_microbatches)}, recompute {plan.recompute}, "
-            f"attention {data['attention']}"
+            f"{batch_label(plan.micro_batch, plan.num_microbatches)}, "
+            f"recompute {recompute_label(plan.recompute, plan.attention)}, attention {data['attention']}"
             + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")]
     per_chunk = data["pipeline"]["layers_per_chunk"]
     if len(set(per_chunk)) > 1:
@@ -189,7 +189,7 @@ def _cmd_plan(args) -> int:
 
 
 def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
-    from autoshard.planner.explain import batch_label
+    from autoshard.planner.explain import batch_label, recompute_label
 
     pred = plan.prediction
     pipe = plan.pipeline
@@ -197,7 +197,8 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
              f"seq {plan.seq}",
              f"mesh             {plan.mesh}" + (f", {pipe.schedule} x{pipe.virtual_stages} over {pipe.degree} stages"
                                                if pipe.degree > 1 else ""),
-             f"micro-batch      {batch_label(plan.micro_batch, plan.num_microbatches)}, recompute {plan.recompute}"
+             f"micro-batch      {batch_label(plan.micro_batch, plan.num_microbatches)}, "
+             f"recompute {recompute_label(plan.recompute, plan.attention)}"
              + (", layered gradient accumulation" if pipe.layered else ""),
              f"attention        {_attention_kernel(plan)}",
              *_prediction_text(pred, cluster, plan), "", "strategies per operator:", *("  " + t for t in table), "",
@@ -401,7 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--micro-batch", type=int, default=1)
     e.add_argument("--global-batch", type=int, required=True)
     e.add_argument("--seq", type=int, default=None, help=_SEQ_HELP)
-    e.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    e.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                   help="activation recompute: full (every block's forward again in backward); selective: with "
+                        "eager attention the score tensors (Korthikanti et al.), with a fused attention kernel "
+                        "torchtitan's op-level policy (attention and every other matmul kept), which is what "
+                        "autoshard's runtime runs; Megatron's selective on a fused kernel costs about none")
     e.add_argument("--sequence-parallel", action="store_true")
     e.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
     e.add_argument("--schedule", choices=("1f1b", "interleaved-1f1b", "gpipe", "looped-bfs"), default=None)

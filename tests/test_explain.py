@@ -117,3 +117,13 @@ def test_an_unknown_layer_or_a_pattern_matching_nothing_is_one_line_with_exit_co
     out = run(plan_file, *args)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_selective_recompute_is_named_for_what_it_recomputes_on_the_attention_kernel():
+    """Megatron's and torchtitan's "selective" differ on a fused attention kernel: the printed mode says which."""
+    from autoshard.planner.explain import recompute_label
+
+    assert recompute_label("full", "flash") == "full" and recompute_label("none", "eager") == "none"
+    assert "Korthikanti" in recompute_label("selective", "eager")
+    assert "every other matmul" in recompute_label("selective", "flash")
+    assert "every other matmul" in recompute_label("selective", "masked")

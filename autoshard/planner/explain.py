@@ -40,6 +40,20 @@ def batch_label(micro_batch: int, num_microbatches: int) -> str:
             f"micro-batch{'' if num_microbatches == 1 else 'es'} per replica")
 
 
+def recompute_label(recompute: str, attention: str) -> str:
+    """The recompute mode and, for selective, what it recomputes on this attention kernel (runtime/recompute.py):
+    with materialized scores (eager) Korthikanti et al.'s selective recompute; with a fused kernel torchtitan's
+    op-level policy, which is not Megatron's (on a fused kernel, Megatron's selective recompute repeats only the
+    attention kernel, about `none`'s cost)."""
+    if recompute != "selective":
+        return recompute
+    if attention == "eager":
+        return "selective (attention scores recomputed, Korthikanti et al.)"
+    if attention in ("flash", "masked"):
+        return "selective (torchtitan's op-level policy: attention and every other matmul kept)"
+    return recompute
+
+
 def layer_pattern(p: OpPlan) -> str:
     """The name with its layer index as `*`: `model.layers.3.mlp.up_proj` -> `model.layers.*.mlp.up_proj`.
     The index is the outermost numeric component equal to `p.layer` (capture/blocks.py numbers blocks so)."""
