@@ -95,7 +95,7 @@ def table4_rows() -> list[dict]:
                 _, ev = estimate(graph, cluster, cfg)
                 step[n] = ev.prediction.iteration_time_s - ev.prediction.time.optimizer_s
                 if n == 3:  # the template block's ops and the edges between them (every block costs the same)
-                    layer = {op.name for op in graph.ops if op.layer == 0}
+                    layer = [op.name for op in graph.ops if op.layer == 0]
                     fwd = sum(ev.op_costs[o].fwd_s + ev.op_costs[o].tp_fwd_s for o in layer)
                     fwd += sum(c.fwd_s for (src, dst, _), c in ev.edge_costs.items() if src in layer and dst in layer)
             total = (step[3] - step[2]) * 1e3
@@ -312,17 +312,22 @@ def _markdown(times: list[dict], more: list[dict], mems: list[dict], table4: lis
 
 ZERO3_NOTE = (
     "**Why the ZeRO-3 rows are missed, and ordered wrongly.** `--zero 3` is priced as autoshard runs it: FSDP2, "
-    "one all-gather per operator's parameters issued ahead of the compute (prefetch) and overlapped with it, "
-    "NCCL ring latency growing with the group (n - 1 steps). The Table 2 runs used DeepSpeed's ZeRO-3 of early "
-    "2021, which gathered one parameter at a time and synchronized the device before each gather, so nothing "
-    "overlapped: each gather cost ~0.5 ms of launch and sync on 8 GPUs (DeepSpeed issue #1069, June 2021), and "
-    "making them batched and asynchronous cut a 5B BERT's forward from ~470 to ~270 ms (DeepSpeed PR #1188). "
-    "At 1,536 GPUs one gather of a 1,535-step ring costs ~15 ms of latency, some 3,500 per step: tens of seconds "
-    "that the FSDP-style model does not charge. The measured step barely changes from 768 to 1,536 GPUs (66.7 s "
-    "both), the signature of a per-call cost rather than bandwidth. The model does not price that implementation "
-    "(no flag selects it), so these rows stay a known miss. FSDP runs across many nodes are predicted as well as "
-    "small ones: MPT on 512 H100s, torchtitan on 64 A100s and IBM's fms-fsdp on 96 H100s and 128 A100s (rows "
-    "above) are within the errors of their 8-GPU runs.")
+    "one all-gather per block's parameters issued ahead of the compute (prefetch) and overlapped with it, at the "
+    "bus bandwidth nccl-tests reach across these nodes (192 GB/s) and NCCL ring latency growing with the group "
+    "(n - 1 steps). The measured steps say what limited DeepSpeed's ZeRO-3 of early 2021: at 4 samples per GPU "
+    "(175B on 384, 530B on 640 GPUs) it ran at 138-144 TFLOP/s, close to PTD-P; at 2 and 1 samples the step "
+    "stops shrinking, at ~67 s for 175B (768 and 1,536 GPUs alike) and ~182 s for 530B (1,120 and 2,240), a floor "
+    "that does not depend on the number of GPUs and grows with the parameters (0.19 and 0.17 s per GB of fp16 "
+    "parameters). A ring all-gather or reduce-scatter moves the same bytes per rank whatever the group size, so "
+    "this is a bandwidth floor: the forward gather, backward gather and gradient reduce-scatter at ~16-17 GB/s "
+    "per GPU, a tenth of what the network carries in nccl-tests. DeepSpeed then gathered one parameter at a time "
+    "and synchronized before each gather (DeepSpeed issue #1069, June 2021; PR #1188 made them batched and "
+    "asynchronous), but that explains only part of it: priced with every parameter gathered on its own and "
+    "nothing overlapped, the rows still come out 22-45% too fast. No source found says why those collectives "
+    "ran at a tenth of the network's bandwidth, and no flag selects that implementation, so these rows stay a "
+    "known miss. FSDP runs across many nodes are predicted as well as small ones: MPT on 512 H100s, torchtitan "
+    "on 64 A100s and IBM's fms-fsdp on 96 H100s and 128 A100s (rows above) are within the errors of their 8-GPU "
+    "runs; `plan` and `estimate` print a caution beyond 512 ZeRO-3 ranks.")
 
 
 def sequence_sweep(recs: list[dict]) -> dict[tuple[str, str], dict[int, dict]]:
