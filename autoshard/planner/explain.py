@@ -205,7 +205,8 @@ def block_table(plan: Plan) -> list[str]:
 def explain_text(plan: Plan, *, layer: int | None = None, op: str | None = None) -> str:
     """The table `autoshard explain` prints: a header, what is covered, then each group's ops."""
     head = (f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch "
-            f"{batch_label(plan.micro_batch, plan.num_microbatches)}, recompute {plan.recompute}"
+            f"{batch_label(plan.micro_batch, plan.num_microbatches)}, "
+            f"recompute {recompute_label(plan.recompute, plan.attention)}"
             + (f", pipeline {plan.pipeline.degree} x {plan.pipeline.schedule}" if plan.pipeline.degree > 1 else ""))
     groups = _selected(plan, layer=layer, op=op)
     rows = {id(g): [_row(p, g) for p in g.ops] for g in groups}
