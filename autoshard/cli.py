@@ -125,6 +125,8 @@ def _cmd_estimate(args) -> int:
                          "virtual_stages": plan.pipeline.virtual_stages,
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
+            "recompute": plan.recompute, "fused_kernels": args.fused_kernels,
+            "tp_comm_overlap": args.tp_comm_overlap or "none",
             **prediction_json(pred), "warnings": _warnings(pred, cluster, plan)}
     from autoshard.planner.explain import batch_label, recompute_label
 

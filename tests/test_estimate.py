@@ -131,6 +131,8 @@ def test_backward_tp_overlap_hides_input_gradient_collectives_and_all_also_the_f
             "2", "--json")
     flag, backward = run(*args, "--tp-comm-overlap"), run(*args, "--tp-comm-overlap", "backward")
     assert flag.returncode == 0 and backward.returncode == 0, flag.stderr + backward.stderr
-    assert json.loads(flag.stdout)["iteration_time_s"] < json.loads(backward.stdout)["iteration_time_s"]
+    flag, backward = json.loads(flag.stdout), json.loads(backward.stdout)
+    assert flag["iteration_time_s"] < backward["iteration_time_s"]
+    assert (flag["tp_comm_overlap"], backward["tp_comm_overlap"]) == ("all", "backward")
     bad = run(*args, "--tp-comm-overlap", "forward")
     assert bad.returncode == 2 and "--tp-comm-overlap" in bad.stderr
