@@ -90,20 +90,17 @@ def table4_rows() -> list[dict]:
         graphs = {n: capture_ref(TABLE4_LAYER.format(layers=n), attn=attn) for n in (2, 3)}
         for mode, (recompute, sp, fwd_ms, bwd_ms) in TABLE4.items():
             cfg = HandConfig(tp=8, micro_batch=4, global_batch=4, recompute=recompute, sequence_parallel=sp, **opts)
-            step = {}
-            for n, graph in graphs.items():
-                _, ev = estimate(graph, cluster, cfg)
-                step[n] = ev.prediction.iteration_time_s - ev.prediction.time.optimizer_s
-                if n == 3:  # the template block's ops and the edges between them (every block costs the same)
-                    layer = [op.name for op in graph.ops if op.layer == 0]
-                    fwd = sum(ev.op_costs[o].fwd_s + ev.op_costs[o].tp_fwd_s for o in layer)
-                    fwd += sum(c.fwd_s for (src, dst, _), c in ev.edge_costs.items() if src in layer and dst in layer)
+            evs = {n: estimate(graph, cluster, cfg)[1] for n, graph in graphs.items()}
+            step = {n: ev.prediction.iteration_time_s - ev.prediction.time.optimizer_s for n, ev in evs.items()}
+            # the template block's ops and the edges between them (every block costs the same)
+            ev, layer = evs[3], [op.name for op in graphs[3].ops if op.layer == 0]
+            fwd = sum(ev.op_costs[o].fwd_s + ev.op_costs[o].tp_fwd_s for o in layer)
+            fwd += sum(c.fwd_s for (src, dst, _), c in ev.edge_costs.items() if src in layer and dst in layer)
             total = (step[3] - step[2]) * 1e3
             out.append({"engine": engine, "mode": mode, "published_fwd_ms": fwd_ms, "published_bwd_ms": bwd_ms,
                         "predicted_fwd_ms": fwd * 1e3, "predicted_bwd_ms": total - fwd * 1e3,
                         "error_pct": 100 * (total / (fwd_ms + bwd_ms) - 1)})
     return out
-
 
 
 def predict(args: list[str]) -> dict:

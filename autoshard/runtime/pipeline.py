@@ -177,9 +177,10 @@ class _SPMDBoundary:
     tensor-parallel rank's slice of the sequence (Megatron-LM's scatter/gather of pipeline sends, Narayanan
     et al. 2021 §4.1: 1/t of the bytes): under sequence parallelism the plan's own layout; where the plan
     keeps them replicated, the sender keeps its slice (no communication) and the receiver all-gathers them
-    over the tensor-parallel group before its first op, their gradient the reverse way (`cut_send_axes`). The first chunk takes the token ids replicated on the tensor-parallel axes; the last hands the
-    loss its output at full width, with the gradient scaled by 1/dp, because the loss of one dp rank's slice
-    is its term of the global mean (see parallel_module._to_local)."""
+    over the tensor-parallel group before its first op, their gradient the reverse way (`cut_send_axes`).
+    The first chunk takes the token ids replicated on the tensor-parallel axes; the last hands the loss its
+    output at full width, with the gradient scaled by 1/dp, because the loss of one dp rank's slice is its
+    term of the global mean (see parallel_module._to_local)."""
 
     mesh: DeviceMesh
     grad_scale: float = 1.0
@@ -225,10 +226,6 @@ def cut_sequence_axes(plan: Plan, stage_layers: tuple[tuple[int, int], ...]) -> 
         else:
             out.append(tuple(a for a, p in lay.items if p == SEQ and a != "dp"))
     return out
-
-
-def _planned(axes: tuple[str, ...] | None) -> tuple[str, ...]:
-    return axes or ()
 
 
 def cut_send_axes(plan: Plan, planned: list[tuple[str, ...] | None],
@@ -370,7 +367,7 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
             apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh, plan)
             c = chunk.index
             chunk.boundary = _SPMDBoundary(mesh, grad_scale=1.0 / dp if chunk.is_last else 1.0,
-                                           seq_in=_planned(seq_axes[c - 1]) if c > 0 else (),
+                                           seq_in=(seq_axes[c - 1] or ()) if c > 0 else (),
                                            seq_out=send_axes[c] if c < len(send_axes) else (),
                                            seq_recv=send_axes[c - 1] if c > 0 else ())
         else:  # a one-rank stage: plain tensors, only recomputation to apply
