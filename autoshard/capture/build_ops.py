@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from autoshard.capture import aten_kinds as ak
-from autoshard.capture.coarsen import Coarsened, _Act, _Coarsener, _Group
+from dataclasses import replace
+
+from torch import fx
+
+from autoshard.capture.coarsen import Coarsened, _Act, _Coarsener, _Group, _Param
 from autoshard.capture.ir import Op, OpKind, ParamMeta, TensorMeta
 
 __all__ = ["build_ops"]
@@ -29,9 +33,10 @@ def build_ops(c: _Coarsener) -> Coarsened:
     live = [g for g in c.groups if not (g.kind is OpKind.INDEX and not g.nodes and g.module_path == "<merged>")]
     names = _op_names(live)
     ops, unknown = [], []
+    stored: set[str] = set()  # storages some earlier op already keeps (q/k/v projections share their input)
     for g in live:
         kind = _final_kind(g)
-        ops.append(_to_op(c, g, kind, names))
+        ops.append(_to_op(c, g, kind, names, stored))
         unknown.extend(g.unknown)
     outputs = tuple(names[gid] for gid in c.outputs if gid in names)
     return Coarsened(ops=tuple(ops), outputs=outputs, unknown=tuple(sorted(set(unknown))))
@@ -55,9 +60,12 @@ def _op_names(groups: list[_Group]) -> dict[int, str]:
     return names
 
 
-def _to_op(c: _Coarsener, g: _Group, kind: OpKind, names: dict[int, str]) -> Op:
+def _to_op(c: _Coarsener, g: _Group, kind: OpKind, names: dict[int, str], stored: set[str]) -> Op:
     ext_inputs = [a for a in g.inputs if a.gid in names and a.gid != g.gid]
-    saved = _saved(g, ext_inputs)
+    fused = _saved(g, ext_inputs)
+    eager = _composed_norm_saves(c, g) if kind is OpKind.NORM else None
+    saved_fused = None if eager is None else tuple(_meta(a) for a in _new(fused, set(stored)))
+    saved = _new(eager if eager is not None else fused, stored)
     needs_input_grad = any(a.grad for a in ext_inputs)
     fwd = g.fwd_flops
     if kind is OpKind.LINEAR or kind is OpKind.CONV:
@@ -74,13 +82,53 @@ def _to_op(c: _Coarsener, g: _Group, kind: OpKind, names: dict[int, str]) -> Op:
         inputs=tuple(names[a.gid] for a in ext_inputs),
         input_meta=tuple(a.meta if a.meta is not None else TensorMeta(shape=(), dtype="float32") for a in ext_inputs),
         output_meta=out, params=params, fwd_flops=int(fwd), bwd_flops=int(bwd),
-        saved=tuple(s.meta for s in saved if s.meta is not None), needs_input_grad=needs_input_grad,
+        saved=tuple(_meta(a) for a in saved), saved_fused=saved_fused, needs_input_grad=needs_input_grad,
         aten=tuple(ak.aten_name(n.target) for n in g.nodes),
         gemm=g.gemm if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV) else None,
         variant=g.variant if kind is OpKind.ATTENTION else "",
         kernels=g.kernels, kernel_io_numel=g.kernel_io_numel, kernel_io_wide_numel=g.kernel_io_wide_numel,
         views=g.views,
     )
+
+
+def _meta(a: _Act) -> TensorMeta:
+    return a.meta
+
+
+def _new(acts: list[_Act], stored: set[str]) -> list[_Act]:
+    """`acts` less the storages an earlier op keeps: autograd holds a tensor once however many ops save it."""
+    out = []
+    for a in acts:
+        if a.storage not in stored:
+            stored.add(a.storage)
+            out.append(a)
+    return out
+
+
+def _composed_norm_saves(c: _Coarsener, g: _Group) -> list[_Act] | None:
+    """What eager autograd keeps for a norm written as pointwise ops (Hugging Face's LlamaRMSNorm: to(float32),
+    pow, mean, rsqrt, mul, to, mul by the weight): the input the statistics read (its float32 upcast in a 16-bit
+    model) and the normalized value the weight multiplies, besides per-token statistics. A norm that is one
+    kernel (F.layer_norm, Megatron's and Transformer Engine's fused norms) keeps its input only: `_saved`.
+    Measured with torch.autograd.graph.saved_tensors_hooks on a Llama layer (tests/test_capture_memory.py)."""
+    if g.kernels < 3:
+        return None
+    upcast, scaled = None, None
+    for n in g.nodes:
+        name = ak.aten_name(n.target)
+        if upcast is None and name in ak.DTYPE_CASTS and c._wide(n):
+            upcast = c.values.get(n.name)
+        if name == "mul":
+            vals = [c.values.get(a.name) for a in n.args if isinstance(a, fx.Node)]
+            acts = [v for v in vals if isinstance(v, _Act) and v.meta is not None]
+            if any(isinstance(v, _Param) for v in vals) and len(acts) == 1:
+                scaled = acts[0]
+    inputs = [a for a in g.inputs if a.grad and a.meta is not None]
+    if scaled is None or not inputs:
+        return None
+    first = replace(upcast, meta=replace(upcast.meta, wide=True)) if isinstance(upcast, _Act) and upcast.meta \
+        else inputs[0]
+    return [first, scaled]
 
 
 def _saved(g: _Group, ext_inputs: list[_Act]) -> list[_Act]:

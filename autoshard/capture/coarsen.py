@@ -19,7 +19,7 @@ bias-GELU, what torch.compile produces): a region keeps its external inputs, not
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import fx, nn
@@ -41,12 +41,28 @@ class _Const:
     pass
 
 
+# Views that must copy a broadcast (expanded) input; every other view shares its input's storage. `contiguous`
+# of a transposed attention output shares it too: FlashAttention-2 and PyTorch's fused SDPA kernels write the
+# output as (batch, seq, heads, dim) and return it transposed, so `out.transpose(1, 2).contiguous()` is free.
+_RESHAPES = frozenset({"reshape", "view", "_unsafe_view", "contiguous", "flatten", "unflatten"})
+_PARTS = frozenset({"slice", "select", "split", "split_with_sizes", "chunk", "unbind", "narrow", "getitem",
+                    "as_strided"})
+
+
 @dataclass(frozen=True)
 class _Act:
     gid: int
     meta: TensorMeta | None  # None for tuple-valued nodes (split, native_layer_norm)
     grad: bool
     node: str  # name of the fx node holding this value (for de-duplicating inputs)
+    base: str = ""  # the node whose storage this value is a view of ("": its own); one saved copy per storage
+    expanded: bool = False  # a broadcast view (expand): reshaping it copies
+    origin: "_Act | None" = None  # a view's source before any view (what an expand broadcasts)
+    unexpanded: "_Act | None" = None  # a copy of a broadcast (GQA's repeat_kv): the value it repeats
+
+    @property
+    def storage(self) -> str:
+        return self.base or self.node
 
 
 @dataclass
@@ -188,7 +204,19 @@ class _Coarsener:
         if not isinstance(src, _Act):
             self.values[node.name] = src
             return
-        value = _Act(src.gid, meta, src.grad, node.name)
+        name = ak.aten_name(node.target)
+        origin = src.origin or src
+        if name == "clone":  # a copy: storage of its own
+            value = _Act(src.gid, meta, src.grad, node.name)
+        elif src.expanded and name in _RESHAPES:
+            # reshaping a broadcast copies it: GQA's repeat_kv (expand + reshape) materializes each key/value
+            # head n_heads / n_kv_heads times; what it repeats is kept for kernels that broadcast themselves
+            value = _Act(src.gid, meta, src.grad, node.name, unexpanded=src.unexpanded or origin)
+        else:  # a view: the same storage, or a part of it (q, k and v split from one projection count apart)
+            base = f"{src.storage}/{node.name}" if name in _PARTS else src.storage
+            value = _Act(src.gid, meta, src.grad, node.name, base=base,
+                         expanded=src.expanded or name in ("expand", "expand_as"), origin=origin,
+                         unexpanded=src.unexpanded)
         self.values[node.name] = value
         self.groups[src.gid].views += 1
         last = self.groups[-1] if self.groups else None
@@ -256,8 +284,8 @@ class _Coarsener:
         for n in g.nodes:  # re-point values to the merged region
             v = self.values.get(n.name)
             if isinstance(v, _Act):
-                self.values[n.name] = _Act(target.gid, v.meta, v.grad, v.node)
-        self.values.update({k: _Act(target.gid, v.meta, v.grad, v.node) for k, v in self.values.items()
+                self.values[n.name] = replace(v, gid=target.gid)
+        self.values.update({k: replace(v, gid=target.gid) for k, v in self.values.items()
                             if isinstance(v, _Act) and v.gid == g.gid})
         g.kind, g.nodes = OpKind.INDEX, []  # tombstone: removed when ops are built
         g.call_key = f"merged:{g.gid}"
@@ -333,7 +361,10 @@ class _Coarsener:
         elif kind is OpKind.ATTENTION:
             flops = attention_flops(shapes[0], shapes[1], shapes[2])
             g.variant = "masked" if _has_attn_mask(node) else "flash"
-            g.saved.extend(v for v in vals[:3] if isinstance(v, _Act))
+            # grouped-query attention: the fused kernels broadcast each key/value head themselves (PyTorch SDPA's
+            # enable_gqa, which Hugging Face takes without a mask, transformers sdpa_attention.use_gqa_in_sdpa;
+            # FlashAttention-2; Transformer Engine) and keep the n_kv_heads tensors, not repeat_kv's copies
+            g.saved.extend((v.unexpanded or v) if i else v for i, v in enumerate(vals[:3]) if isinstance(v, _Act))
             g.saved.append(_Act(g.gid, meta, True, node.name))  # the output
             lse = TensorMeta(shape=out_shape[:-1], dtype="float32", batch_dims=meta.batch_dims if meta else ())
             g.saved.append(_Act(g.gid, lse, False, node.name + ":lse"))

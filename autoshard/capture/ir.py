@@ -50,6 +50,7 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: str
     batch_dims: tuple[int, ...] = ()
+    wide: bool = False  # a float32 copy a 16-bit model makes (a norm's upcast): 4 bytes at any precision
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -101,6 +102,9 @@ class Op:
     fwd_flops: int = 0  # per sample
     bwd_flops: int = 0  # per sample
     saved: tuple[TensorMeta, ...] = ()  # per sample: activations this op keeps for backward
+    # what it keeps when its pointwise ops run as one fused kernel (Megatron-LM's, Transformer Engine's,
+    # torch.compile's), where that differs from eager PyTorch (a norm written as pointwise ops); None: the same
+    saved_fused: tuple[TensorMeta, ...] | None = None
     needs_input_grad: bool = True  # False when no activation input is on the gradient path
     aten: tuple[str, ...] = ()  # the ATen targets coarsened into this op
     gemm: tuple[int, int, int] | None = None  # (M per sample, N, K) of the main GEMM, for efficiency

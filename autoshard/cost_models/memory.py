@@ -77,8 +77,12 @@ def model_state_bytes(numel: float, precision: Precision, *, zero: int, dp: int)
 
 
 def tensor_bytes(meta: TensorMeta, precision: Precision, *, samples: float = 1.0) -> float:
-    """Bytes of an activation for `samples` samples: floating point at the training precision, the rest as is."""
-    per_elem = precision.act_bytes if meta.dtype.startswith(("float", "bfloat")) else DTYPE_BYTES[meta.dtype]
+    """Bytes of an activation for `samples` samples: floating point at the training precision (a 16-bit model's
+    float32 upcasts at 4), the rest as is."""
+    if meta.wide:
+        per_elem = 4
+    else:
+        per_elem = precision.act_bytes if meta.dtype.startswith(("float", "bfloat")) else DTYPE_BYTES[meta.dtype]
     batch_scale = samples if meta.batch_dims else 1.0
     return meta.numel * per_elem * batch_scale
 

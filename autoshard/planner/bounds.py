@@ -70,7 +70,9 @@ def _totals(graph: OpGraph) -> GraphTotals:
             g["io_elems_block"] += io if blk else 0.0
             g["sac_io_block"] += io if repeated else 0.0
         scored = False
-        for t in op.saved:  # non-float tensors (1-byte masks) at a quarter element: never above their bytes
+        # the fused kernels' saves (never more than eager's); non-float tensors (1-byte masks) at a quarter
+        # element: never above their bytes
+        for t in (op.saved if op.saved_fused is None else op.saved_fused):
             w = t.numel if t.dtype.startswith(("float", "bfloat")) else t.numel / 4
             g["saved_elems"] += w
             if score_shaped(t, seq):

@@ -293,7 +293,7 @@ def _saved_bytes(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float
     if st.save_sharded_input:
         div *= math.prod(ctx.mesh.degree(a) for a in ctx.mesh.tp_axes if ins.get(a) == REPLICATE)
     kept = dropped = 0.0
-    for t in op.saved:
+    for t in (op.saved_fused if ctx.fused_pointwise and op.saved_fused is not None else op.saved):
         b = tensor_bytes(t, ctx.precision, samples=ctx.micro_batch) / (div if t.batch_dims else 1)
         if score_shaped(t, ctx.seq):
             dropped += b

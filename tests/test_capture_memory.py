@@ -1,0 +1,76 @@
+"""The activations the capture says a layer keeps for backward are the bytes autograd keeps, measured.
+
+A real forward pass on CPU (float32, random weights) under torch.autograd.graph.saved_tensors_hooks records every
+tensor autograd saves; each storage counts once (q/k/v projections share their input; the attention output and
+the output projection's input are one tensor), parameters excluded. The difference between a 3- and a 2-layer
+model is one layer, the quantity the memory model multiplies by layers and in-flight micro-batches.
+"""
+
+import pytest
+import torch
+
+from autoshard.api import capture_ref
+from autoshard.models import load_model
+
+LLAMA = "llama:layers={L},hidden=256,heads=8,kv_heads=2,ffn=688,seq=128,vocab=1000"
+GPT = "gpt:layers={L},hidden=256,heads=8,seq=128,vocab=1000"
+
+
+def _measured_bytes(ref: str) -> int:
+    loaded = load_model(ref, device="cpu", attn="sdpa")
+    model = loaded.module.train()
+    for m in model.modules():  # without dropout CPU SDPA runs its flash kernel, the one the capture prices
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for k in ("attn_pdrop", "resid_pdrop", "embd_pdrop", "attention_dropout"):
+        if hasattr(model.config, k):
+            setattr(model.config, k, 0.0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*loaded.example_inputs(1, device="cpu"))
+    return sum(storages.values())
+
+
+def _predicted_bytes(ref: str) -> float:
+    """float32 bytes of what the capture says is saved per sample (dropout masks left out, as measured)."""
+    graph = capture_ref(ref)
+    return sum(4 * t.numel for op in graph.ops for t in op.saved if t.dtype.startswith(("float", "bfloat")))
+
+
+@pytest.mark.parametrize("spec", [LLAMA, GPT], ids=["llama-gqa-rmsnorm", "gpt-layernorm"])
+def test_one_layer_keeps_for_backward_what_autograd_saves_on_this_machine(spec):
+    measured = _measured_bytes(spec.format(L=3)) - _measured_bytes(spec.format(L=2))
+    predicted = _predicted_bytes(spec.format(L=3)) - _predicted_bytes(spec.format(L=2))
+    assert predicted == pytest.approx(measured, rel=0.02)
+
+
+def test_grouped_query_attention_keeps_kv_heads_not_repeated_copies_and_shared_inputs_once():
+    graph = capture_ref(LLAMA.format(L=2))
+    ops = {op.name: op for op in graph.ops if op.layer == 0}
+    attn = next(op for name, op in ops.items() if name.endswith("scaled_dot_product_attention"))
+    q, k, v = (t.numel for t in attn.saved[:3])
+    assert k == v == q * 2 // 8  # 2 of 8 heads
+    assert len(ops["model.layers.0.self_attn.q_proj"].saved) == 1
+    assert not ops["model.layers.0.self_attn.k_proj"].saved and not ops["model.layers.0.self_attn.v_proj"].saved
+    assert not ops["model.layers.0.self_attn.o_proj"].saved  # the attention output, kept by the kernel
+
+
+def test_a_pointwise_rmsnorm_keeps_its_float32_upcast_in_eager_and_only_its_input_when_fused():
+    from autoshard.cost_models.memory import BF16_MIXED as bf16
+    from autoshard.cost_models.memory import tensor_bytes
+
+    graph = capture_ref(LLAMA.format(L=4))  # traced with 2 blocks in bf16, then expanded
+    norm = next(op for op in graph.ops if op.name == "model.layers.0.input_layernorm")
+    eager = sum(tensor_bytes(t, bf16) for t in norm.saved)
+    fused = sum(tensor_bytes(t, bf16) for t in norm.saved_fused)
+    tokens_x_hidden = 128 * 256
+    assert eager == 6 * tokens_x_hidden  # float32 upcast (4) + the normalized bf16 value (2)
+    assert fused == 2 * tokens_x_hidden
