@@ -34,7 +34,8 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     torchtitan and llm-foundry run), "eager" (materialized scores and a softmax kernel: Megatron-LM's fused
     softmax before flash attention, Hugging Face "eager"), "sdpa" (Hugging Face's masked SDPA), or "auto":
     flash, unless the model spec names its attention (`attn=`). `fused_kernels`: each pointwise region runs as
-    one kernel (Megatron-LM's fused kernels, torch.compile) instead of one kernel per ATen op (eager PyTorch).
+    one kernel (Megatron-LM's fused kernels, torch.compile) that keeps only its inputs for backward, instead of
+    one kernel per ATen op keeping what its derivative needs (eager PyTorch).
     `tp_comm_overlap`: tensor-parallel collectives overlap compute: "backward" (Megatron-LM's asynchronous
     tensor-parallel communication) or "all" / True (Megatron-Core --tp-comm-overlap).
     `allocator`: PyTorch's CUDA allocator mode, "expandable" (expandable_segments:True, as torchtitan and

@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto = flash unless the model spec names one (attn=)")
     e.add_argument("--fused-kernels", action="store_true",
                    help="price each pointwise region as one fused kernel (Megatron-LM's fused kernels, "
-                        "torch.compile); default: one kernel per ATen op, as eager PyTorch runs it")
+                        "torch.compile) that keeps only its inputs for backward; default: one kernel per ATen op, "
+                        "each keeping what its derivative needs, as eager PyTorch runs it")
     e.add_argument("--tp-comm-overlap", nargs="?", const="all", default="", choices=("backward", "all"),
                    help="tensor-parallel collectives overlap compute, as autoshard's runtime does not (plans never "
                         "assume it): 'all' (the default when given) as Megatron-Core's --tp-comm-overlap; "

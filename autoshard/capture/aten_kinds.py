@@ -43,6 +43,16 @@ LOSS = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d",
 REDUCTION = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "norm",
                        "linalg_vector_norm", "logsumexp", "prod", "cumsum", "argmax", "argmin", "all", "any"})
 CONV = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d"})
+# What eager autograd saves for a pointwise op (PyTorch's tools/autograd/derivatives.yaml): its output (result)
+# or its tensor inputs on the gradient path (self); ops not listed save nothing of the activations (add, sub,
+# neg, casts, mean, sum, views). Used for a region of pointwise ops that eager PyTorch runs op by op, where a
+# fused kernel would keep the region's inputs only.
+SAVES_OUTPUT = frozenset({"tanh", "sigmoid", "exp", "rsqrt", "sqrt", "reciprocal", "relu", "exp2", "expm1",
+                          "softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "hardtanh"})
+SAVES_INPUTS = frozenset({"pow", "log", "log1p", "silu", "gelu", "erf", "sin", "cos", "softplus", "mish", "elu",
+                          "leaky_relu", "hardswish", "hardsigmoid", "abs", "clamp", "clamp_min", "clamp_max",
+                          "maximum", "minimum", "glu", "relu6", "logit", "atan", "square", "var", "std",
+                          "norm", "linalg_vector_norm", "amax", "amin", "max", "min", "prod", "logsumexp"})
 # Pointwise ops whose backward needs an input or output value (so autograd saves one).
 NONLINEAR_POINTWISE = frozenset({
     "pow", "rsqrt", "sqrt", "exp", "log", "log1p", "tanh", "sigmoid", "silu", "gelu", "relu", "erf", "sin",

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from autoshard.capture import aten_kinds as ak
 from dataclasses import replace
 
-from torch import fx
-
-from autoshard.capture.coarsen import Coarsened, _Act, _Coarsener, _Group, _Param
+from autoshard.capture import aten_kinds as ak
+from autoshard.capture.coarsen import Coarsened, _Act, _Coarsener, _Group
 from autoshard.capture.ir import Op, OpKind, ParamMeta, TensorMeta
 
 __all__ = ["build_ops"]
@@ -63,7 +61,7 @@ def _op_names(groups: list[_Group]) -> dict[int, str]:
 def _to_op(c: _Coarsener, g: _Group, kind: OpKind, names: dict[int, str], stored: set[str]) -> Op:
     ext_inputs = [a for a in g.inputs if a.gid in names and a.gid != g.gid]
     fused = _saved(g, ext_inputs)
-    eager = _composed_norm_saves(c, g) if kind is OpKind.NORM else None
+    eager = _eager_saves(c, g) if _is_fused(g) else None
     saved_fused = None if eager is None else tuple(_meta(a) for a in _new(fused, set(stored)))
     saved = _new(eager if eager is not None else fused, stored)
     needs_input_grad = any(a.grad for a in ext_inputs)
@@ -105,30 +103,23 @@ def _new(acts: list[_Act], stored: set[str]) -> list[_Act]:
     return out
 
 
-def _composed_norm_saves(c: _Coarsener, g: _Group) -> list[_Act] | None:
-    """What eager autograd keeps for a norm written as pointwise ops (Hugging Face's LlamaRMSNorm: to(float32),
-    pow, mean, rsqrt, mul, to, mul by the weight): the input the statistics read (its float32 upcast in a 16-bit
-    model) and the normalized value the weight multiplies, besides per-token statistics. A norm that is one
-    kernel (F.layer_norm, Megatron's and Transformer Engine's fused norms) keeps its input only: `_saved`.
-    Measured with torch.autograd.graph.saved_tensors_hooks on a Llama layer (tests/test_capture_memory.py)."""
-    if g.kernels < 3:
-        return None
-    upcast, scaled = None, None
-    for n in g.nodes:
-        name = ak.aten_name(n.target)
-        if upcast is None and name in ak.DTYPE_CASTS and c._wide(n):
-            upcast = c.values.get(n.name)
-        if name == "mul":
-            vals = [c.values.get(a.name) for a in n.args if isinstance(a, fx.Node)]
-            acts = [v for v in vals if isinstance(v, _Act) and v.meta is not None]
-            if any(isinstance(v, _Param) for v in vals) and len(acts) == 1:
-                scaled = acts[0]
-    inputs = [a for a in g.inputs if a.grad and a.meta is not None]
-    if scaled is None or not inputs:
-        return None
-    first = replace(upcast, meta=replace(upcast.meta, wide=True)) if isinstance(upcast, _Act) and upcast.meta \
-        else inputs[0]
-    return [first, scaled]
+def _eager_saves(c: _Coarsener, g: _Group) -> list[_Act]:
+    """What eager autograd keeps for a region of pointwise ops PyTorch runs one by one (Hugging Face's
+    LlamaRMSNorm: its float32 upcast, the inverse RMS and the normalized value; transformers' `gelu_new`: the
+    input, tanh's output and both factors of the last product), each op by its derivative's rule
+    (aten_kinds.SAVES_OUTPUT / SAVES_INPUTS, mul's factors). Float32 values of a 16-bit model are `wide`.
+    Measured with torch.autograd.graph.saved_tensors_hooks (tests/test_capture_memory.py)."""
+    out = []
+    for a in g.eager_saved:
+        if a.meta is not None and c.low_precision and a.meta.dtype == "float32":
+            a = replace(a, meta=replace(a.meta, wide=True))
+        out.append(a)
+    return out
+
+
+def _is_fused(g: _Group) -> bool:
+    """A region whose fused kernel would keep less than eager autograd does (its inputs, not intermediates)."""
+    return g.saves_internal and g.kind not in (OpKind.LINEAR, OpKind.MATMUL)
 
 
 def _saved(g: _Group, ext_inputs: list[_Act]) -> list[_Act]:
@@ -136,8 +127,7 @@ def _saved(g: _Group, ext_inputs: list[_Act]) -> list[_Act]:
     gradient-path inputs instead (a fused kernel recomputes the intermediate from them)."""
     out: list[_Act] = []
     seen: set[str] = set()
-    fused = g.saves_internal and g.kind not in (OpKind.LINEAR, OpKind.MATMUL)
-    extra = [a for a in ext_inputs if a.grad] if fused else []
+    extra = [a for a in ext_inputs if a.grad] if _is_fused(g) else []
     for a in [*g.saved, *extra]:
         if a.node in seen or a.meta is None:
             continue

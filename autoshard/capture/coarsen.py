@@ -57,8 +57,8 @@ class _Act:
     node: str  # name of the fx node holding this value (for de-duplicating inputs)
     base: str = ""  # the node whose storage this value is a view of ("": its own); one saved copy per storage
     expanded: bool = False  # a broadcast view (expand): reshaping it copies
-    origin: "_Act | None" = None  # a view's source before any view (what an expand broadcasts)
-    unexpanded: "_Act | None" = None  # a copy of a broadcast (GQA's repeat_kv): the value it repeats
+    origin: _Act | None = None  # a view's source before any view (what an expand broadcasts)
+    unexpanded: _Act | None = None  # a copy of a broadcast (GQA's repeat_kv): the value it repeats
 
     @property
     def storage(self) -> str:
@@ -84,6 +84,7 @@ class _Group:
     unknown: list[str] = field(default_factory=list)
     node_kinds: set = field(default_factory=set)
     saves_internal: bool = False
+    eager_saved: list[_Act] = field(default_factory=list)  # what eager autograd keeps, op by op (pointwise)
     variant: str = ""
     kernels: int = 0  # ATen kernels (non-view nodes) eager PyTorch launches for this group
     kernel_io_numel: int = 0  # per-sample elements those kernels read and write (batch-dim tensors)
@@ -273,6 +274,7 @@ class _Coarsener:
         target.fwd_flops += g.fwd_flops
         target.saved.extend(g.saved)
         target.saves_internal |= g.saves_internal
+        target.eager_saved.extend(g.eager_saved)
         target.node_kinds |= g.node_kinds
         target.kernels += g.kernels
         target.kernel_io_numel += g.kernel_io_numel
@@ -383,6 +385,23 @@ class _Coarsener:
 
     def _pointwise_saved(self, g: _Group, name, kind, vals, meta, node) -> None:
         grad_acts = [v for v in vals if isinstance(v, _Act) and v.grad]
+        if name in ak.SAVES_OUTPUT and meta is not None:
+            g.eager_saved.append(_Act(g.gid, meta, True, node.name))
+        elif name in ak.SAVES_INPUTS:
+            g.eager_saved.extend(grad_acts)
+        elif name == "mul":  # each factor, where another factor needs a gradient (a parameter does)
+            for i, v in enumerate(vals):
+                others = vals[:i] + vals[i + 1:]
+                if isinstance(v, _Act) and any(isinstance(o, _Param) or (isinstance(o, _Act) and o.grad)
+                                               for o in others):
+                    g.eager_saved.append(v)
+        elif name in ("div", "true_divide") and len(vals) > 1 and vals[1] in grad_acts:
+            g.eager_saved.extend(grad_acts)
+        elif kind is OpKind.DROPOUT and meta is not None:
+            mask = TensorMeta(shape=meta.shape, dtype="bool", batch_dims=meta.batch_dims)
+            g.eager_saved.append(_Act(g.gid, mask, False, node.name + ":mask"))
+        elif kind in (OpKind.LOSS, OpKind.OTHER):
+            g.eager_saved.extend(grad_acts)
         keep: list[_Act] = []
         if kind is OpKind.DROPOUT and meta is not None:
             mask = TensorMeta(shape=meta.shape, dtype="bool", batch_dims=meta.batch_dims)

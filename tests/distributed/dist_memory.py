@@ -1,0 +1,45 @@
+"""What each rank runs in the activation-memory tests: the bytes autograd keeps for backward in one forward
+pass of the parallelized model, on this rank, each storage once (DTensors by their local shard), parameters
+excluded (their local shards, views of them and FSDP's unsharded copies)."""
+
+from __future__ import annotations
+
+import torch
+from dist_models import build, example_batch
+from torch.distributed.tensor import DTensor
+
+from autoshard.runtime import apply_plan, build_device_mesh
+
+__all__ = ["saved_activation_bytes"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _one(case: dict) -> int:
+    model = build(case["model"])
+    x, _ = example_batch(case["model"], case["batch"])
+    example = None if case.get("spmd") else (x[:2],)
+    pmodel = apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh), example_inputs=example)
+    params = {_local(p).untyped_storage().data_ptr() for p in pmodel.parameters()}
+    (lx,) = pmodel.shard_inputs((x,))
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        local = _local(t)
+        s = local.untyped_storage()
+        # a parameter, a view of one (linear saves weight.t()), or FSDP's unsharded copy of one
+        is_param = any(isinstance(x, torch.nn.Parameter) for x in (t, local, t._base, local._base))
+        if not is_param and s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = pmodel(lx)
+    del out
+    return sum(storages.values())
+
+
+def saved_activation_bytes(rank: int, world: int, cases: list[dict]) -> list[int]:
+    return [_one(c) for c in cases]

@@ -1,0 +1,58 @@
+"""Activation memory per rank under the runtime's plans equals what the cost model charges, measured.
+
+Each rank runs one forward pass of the parallelized tiny model under torch.autograd.graph.saved_tensors_hooks
+(dist_memory.py); the cost model's figure is the sum of the plan's per-op saved bytes for one micro-batch
+(`Evaluation.op_costs[...].saved_bytes`), the quantity it multiplies by the micro-batches in flight. The GPT-2
+here runs transformers' default `gelu_new`, eight pointwise kernels whose intermediates eager autograd keeps.
+"""
+
+import functools
+
+import pytest
+from dist_harness import run_world
+from dist_memory import saved_activation_bytes
+from dist_models import build, example_batch
+from dist_plans import make_plan
+
+from autoshard.api import resolve_cluster
+from autoshard.planner.layouts import MeshSpec
+from autoshard.planner.prediction import evaluate_plan
+
+BATCH = 4
+# id: (model, family, mesh degrees, plan options)
+CASES = {
+    "llama-dp": ("llama", "replicate", {"dp": 2}, {}),
+    "llama-zero3": ("llama", "replicate", {"dp": 2}, {"zero": 3}),
+    "llama-1d": ("llama", "megatron", {"tp": 2}, {}),
+    "llama-1d-sp": ("llama", "megatron-sp", {"tp": 2}, {}),
+    "gpt2-1d": ("gpt2", "megatron", {"tp": 2}, {}),
+    "gpt2-1d-sp": ("gpt2", "megatron-sp", {"tp": 2}, {}),
+}
+
+
+@functools.cache
+def _graph(model: str):
+    from autoshard.capture import capture
+
+    x, _ = example_batch(model, 2)
+    return capture(build(model), (x,))
+
+
+@functools.cache
+def _results() -> dict[str, tuple[list[int], float]]:
+    cases, predicted = [], {}
+    for case_id, (model, family, degrees, options) in CASES.items():
+        plan = make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options)
+        ev = evaluate_plan(plan, _graph(model), resolve_cluster("1x2xcpu"))
+        predicted[case_id] = sum(c.saved_bytes for c in ev.op_costs.values())
+        cases.append({"id": case_id, "model": model, "plan": plan, "batch": BATCH})
+    per_rank = run_world(saved_activation_bytes, 2, cases, timeout_s=300)
+    return {c["id"]: ([rank[i] for rank in per_rank], predicted[c["id"]]) for i, c in enumerate(cases)}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_each_rank_keeps_the_activation_bytes_the_cost_model_charges(case_id):
+    measured, predicted = _results()[case_id]
+    for m in measured:
+        assert predicted == pytest.approx(m, rel=0.05), (case_id, measured, predicted)
