@@ -269,3 +269,22 @@ def test_the_last_pipeline_stage_waits_for_its_inputs_and_the_first_for_its_grad
     assert extra > 0
     waits = [a - b for a, b in zip(times["4x1xA100-80GB"], times["1x4xA100-80GB"], strict=True)]
     assert waits == pytest.approx([extra, 2 * extra, 2 * extra, extra])
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 4, 8), (8, 4, 64), (4, 3, 4), (4, 2, 2)])
+def test_interleaved_stages_hold_the_warmup_forwards_torchs_schedule_runs_before_their_first_backward(p, v, m):
+    """The runtime's ScheduleInterleaved1F1B runs `_get_warmup_ops` chunk forwards before a rank's first
+    backward and holds one more in steady state; the last rank runs (v - 1)·p of them, not 1 + (p - 1)/v
+    micro-batches' worth (Korthikanti et al.'s count holds for the first stage only)."""
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    from autoshard.planner.evaluate import inflight_microbatches
+    from autoshard.planner.plan import PipelineSpec
+
+    pipe = PipelineSpec(degree=p, schedule="interleaved-1f1b", virtual_stages=v)
+    per_round = m // max(1, m // p)
+    for stage in range(p):
+        chunks = min(_get_warmup_ops(stage, v, per_round, p, m) + 1, m * v)
+        assert inflight_microbatches(stage, pipe, m) == pytest.approx(chunks / v)
+    if m >= 2 * p:  # enough micro-batches that the warmup is not cut short
+        assert inflight_microbatches(0, pipe, m) == pytest.approx(p + (p - 1) / v)

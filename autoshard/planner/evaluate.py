@@ -139,14 +139,19 @@ def pipeline_fill(pipe: PipelineSpec) -> float:
 
 
 def inflight_microbatches(stage: int, pipe: PipelineSpec, m: int) -> float:
-    """Micro-batches whose activations a stage holds at its peak (Korthikanti et al. 2022 §4.2.3)."""
+    """Micro-batches (of all the stage's layers) whose activations a stage holds at its peak (Korthikanti et al.
+    2022 §4.2.3). Interleaved 1F1B runs (v - 1)·r + 2·(p - 1 - stage) chunk forwards before its first backward,
+    r micro-batches per round (torch.distributed.pipelining's `_get_warmup_ops`, Megatron-LM's
+    get_forward_backward_func with r = p), then holds one more: p + (p - 1)/v on the first stage."""
     p, v = pipe.degree, pipe.virtual_stages
     if p == 1:
         return float(m) if pipe.layered else 1.0
     if pipe.schedule == "gpipe" or pipe.layered:
         return float(m)
     if pipe.schedule == "interleaved-1f1b":
-        return min(float(m), (p - stage) + (p - 1) / v)
+        per_round = m / max(1, m // p)
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - stage), m * v)
+        return min(m * v, warmup + 1) / v
     return float(min(m, p - stage))
 
 
