@@ -4,9 +4,12 @@ Each rank runs one forward pass of the parallelized tiny model under torch.autog
 (dist_memory.py); the cost model's figure is the sum of the plan's per-op saved bytes for one micro-batch
 (`Evaluation.op_costs[...].saved_bytes`), the quantity it multiplies by the micro-batches in flight. The GPT-2
 here runs transformers' default `gelu_new`, eight pointwise kernels whose intermediates eager autograd keeps.
+Under full recompute the runtime's checkpointing keeps each block's input (selective recompute keeps its tensors
+inside the checkpoint's own storage, which these hooks do not see, so it is not checked here).
 """
 
 import functools
+from dataclasses import replace
 
 import pytest
 from dist_harness import run_world
@@ -27,6 +30,8 @@ CASES = {
     "llama-1d-sp": ("llama", "megatron-sp", {"tp": 2}, {}),
     "gpt2-1d": ("gpt2", "megatron", {"tp": 2}, {}),
     "gpt2-1d-sp": ("gpt2", "megatron-sp", {"tp": 2}, {}),
+    "llama-1d-full-recompute": ("llama", "megatron", {"tp": 2}, {"recompute": "full"}),
+    "gpt2-dp-full-recompute": ("gpt2", "replicate", {"dp": 2}, {"recompute": "full"}),
 }
 
 
@@ -42,7 +47,10 @@ def _graph(model: str):
 def _results() -> dict[str, tuple[list[int], float]]:
     cases, predicted = [], {}
     for case_id, (model, family, degrees, options) in CASES.items():
-        plan = make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options)
+        options = dict(options)
+        recompute = options.pop("recompute", "none")
+        plan = replace(make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options),
+                       recompute=recompute)
         ev = evaluate_plan(plan, _graph(model), resolve_cluster("1x2xcpu"))
         predicted[case_id] = sum(c.saved_bytes for c in ev.op_costs.values())
         cases.append({"id": case_id, "model": model, "plan": plan, "batch": BATCH})
