@@ -43,18 +43,25 @@ def _graph(model: str):
     return capture(build(model), (x,))
 
 
+# on 4 ranks: 2D (Optimus) tensor parallelism, every activation sharded over the two axes
+CASES_4 = {
+    "llama-2d": ("llama", "2d", {"tp_r": 2, "tp_c": 2}, {}),
+    "gpt2-2d": ("gpt2", "2d", {"tp_r": 2, "tp_c": 2}, {}),
+}
+
+
 @functools.cache
-def _results() -> dict[str, tuple[list[int], float]]:
+def _results(world: int = 2) -> dict[str, tuple[list[int], float]]:
     cases, predicted = [], {}
-    for case_id, (model, family, degrees, options) in CASES.items():
+    for case_id, (model, family, degrees, options) in (CASES if world == 2 else CASES_4).items():
         options = dict(options)
         recompute = options.pop("recompute", "none")
         plan = replace(make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options),
                        recompute=recompute)
-        ev = evaluate_plan(plan, _graph(model), resolve_cluster("1x2xcpu"))
+        ev = evaluate_plan(plan, _graph(model), resolve_cluster(f"1x{world}xcpu"))
         predicted[case_id] = sum(c.saved_bytes for c in ev.op_costs.values())
         cases.append({"id": case_id, "model": model, "plan": plan, "batch": BATCH})
-    per_rank = run_world(saved_activation_bytes, 2, cases, timeout_s=300)
+    per_rank = run_world(saved_activation_bytes, world, cases, timeout_s=300)
     return {c["id"]: ([rank[i] for rank in per_rank], predicted[c["id"]]) for i, c in enumerate(cases)}
 
 
@@ -62,5 +69,13 @@ def _results() -> dict[str, tuple[list[int], float]]:
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_each_rank_keeps_the_activation_bytes_the_cost_model_charges(case_id):
     measured, predicted = _results()[case_id]
+    for m in measured:
+        assert predicted == pytest.approx(m, rel=0.05), (case_id, measured, predicted)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case_id", list(CASES_4))
+def test_each_of_four_ranks_keeps_the_activation_bytes_the_cost_model_charges_under_2d(case_id):
+    measured, predicted = _results(4)[case_id]
     for m in measured:
         assert predicted == pytest.approx(m, rel=0.05), (case_id, measured, predicted)
