@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.runtime import apply_plan, build_device_mesh
 
-__all__ = ["saved_activation_bytes"]
+__all__ = ["saved_activation_bytes", "pipeline_peak_bytes"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -43,3 +43,52 @@ def _one(case: dict) -> int:
 
 def saved_activation_bytes(rank: int, world: int, cases: list[dict]) -> list[int]:
     return [_one(c) for c in cases]
+
+
+class _Held:
+    """What autograd holds for one saved tensor: counts its storage live until autograd lets go of it."""
+
+    def __init__(self, t: torch.Tensor, live: dict, peak: list):
+        self.t, self.live, self.peak = t, live, peak
+        s = _local(t).untyped_storage()
+        self.key = s.data_ptr()
+        count, nbytes = live.get(self.key, (0, s.nbytes()))
+        live[self.key] = (count + 1, nbytes)
+        peak[0] = max(peak[0], sum(n for c, n in live.values() if c > 0))
+
+    def __del__(self):
+        count, nbytes = self.live[self.key]
+        self.live[self.key] = (count - 1, nbytes)
+
+
+def _peak_pipeline(case: dict) -> int:
+    """Peak bytes autograd holds for backward on this rank during one pipelined train step."""
+    from pipeline_helpers import _parallelize, batch, build_model
+
+    from autoshard.runtime.pipeline_train import train_step
+
+    model = build_model(case["model"], case["layers"])
+    x, y = batch(case["model"], case["batch"])
+    pm = _parallelize(model, case, x)
+    params = {_local(p).untyped_storage().data_ptr() for p in pm.parameters()}
+    lx, ly = pm.shard_inputs((x, y))
+    live: dict = {}
+    peak = [0]
+
+    def pack(t):
+        local = _local(t)
+        if any(isinstance(z, torch.nn.Parameter) for z in (t, local, t._base, local._base)) \
+                or local.untyped_storage().data_ptr() in params:
+            return t
+        return _Held(t, live, peak)
+
+    def unpack(h):
+        return h.t if isinstance(h, _Held) else h
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        train_step(pm, (lx,), ly)
+    return peak[0]
+
+
+def pipeline_peak_bytes(rank: int, world: int, cases: list[dict]) -> list[int]:
+    return [_peak_pipeline(c) for c in cases]
