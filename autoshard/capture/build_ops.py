@@ -62,7 +62,7 @@ def _to_op(c: _Coarsener, g: _Group, kind: OpKind, names: dict[int, str], stored
     ext_inputs = [a for a in g.inputs if a.gid in names and a.gid != g.gid]
     fused = _saved(g, ext_inputs)
     eager = _eager_saves(c, g) if _is_fused(g) else None
-    saved_fused = None if eager is None else tuple(_meta(a) for a in _new(fused, set(stored)))
+    saved_fused = None if eager is None else tuple(a.meta for a in _new(fused, set(stored)))
     saved = _new(eager if eager is not None else fused, stored)
     needs_input_grad = any(a.grad for a in ext_inputs)
     fwd = g.fwd_flops
@@ -80,7 +80,7 @@ def _to_op(c: _Coarsener, g: _Group, kind: OpKind, names: dict[int, str], stored
         inputs=tuple(names[a.gid] for a in ext_inputs),
         input_meta=tuple(a.meta if a.meta is not None else TensorMeta(shape=(), dtype="float32") for a in ext_inputs),
         output_meta=out, params=params, fwd_flops=int(fwd), bwd_flops=int(bwd),
-        saved=tuple(_meta(a) for a in saved), saved_fused=saved_fused, needs_input_grad=needs_input_grad,
+        saved=tuple(a.meta for a in saved), saved_fused=saved_fused, needs_input_grad=needs_input_grad,
         aten=tuple(ak.aten_name(n.target) for n in g.nodes),
         gemm=g.gemm if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV) else None,
         variant=g.variant if kind is OpKind.ATTENTION else "",
@@ -89,15 +89,12 @@ def _to_op(c: _Coarsener, g: _Group, kind: OpKind, names: dict[int, str], stored
     )
 
 
-def _meta(a: _Act) -> TensorMeta:
-    return a.meta
-
-
 def _new(acts: list[_Act], stored: set[str]) -> list[_Act]:
-    """`acts` less the storages an earlier op keeps: autograd holds a tensor once however many ops save it."""
+    """`acts` with a shape, less the storages an earlier op keeps: autograd holds a tensor once however many ops
+    save it."""
     out = []
     for a in acts:
-        if a.storage not in stored:
+        if a.meta is not None and a.storage not in stored:
             stored.add(a.storage)
             out.append(a)
     return out

@@ -385,9 +385,14 @@ class _Coarsener:
 
     def _pointwise_saved(self, g: _Group, name, kind, vals, meta, node) -> None:
         grad_acts = [v for v in vals if isinstance(v, _Act) and v.grad]
+        mask = None
+        if kind is OpKind.DROPOUT and meta is not None:
+            mask = _Act(g.gid, TensorMeta(shape=meta.shape, dtype="bool", batch_dims=meta.batch_dims), False,
+                        node.name + ":mask")
+        divides = name in ("div", "true_divide") and len(vals) > 1 and vals[1] in grad_acts  # d(a/b)/db: a, b
         if name in ak.SAVES_OUTPUT and meta is not None:
             g.eager_saved.append(_Act(g.gid, meta, True, node.name))
-        elif name in ak.SAVES_INPUTS:
+        elif name in ak.SAVES_INPUTS or divides or kind in (OpKind.LOSS, OpKind.OTHER):
             g.eager_saved.extend(grad_acts)
         elif name == "mul":  # each factor, where another factor needs a gradient (a parameter does)
             for i, v in enumerate(vals):
@@ -395,26 +400,17 @@ class _Coarsener:
                 if isinstance(v, _Act) and any(isinstance(o, _Param) or (isinstance(o, _Act) and o.grad)
                                                for o in others):
                     g.eager_saved.append(v)
-        elif name in ("div", "true_divide") and len(vals) > 1 and vals[1] in grad_acts:
-            g.eager_saved.extend(grad_acts)
-        elif kind is OpKind.DROPOUT and meta is not None:
-            mask = TensorMeta(shape=meta.shape, dtype="bool", batch_dims=meta.batch_dims)
-            g.eager_saved.append(_Act(g.gid, mask, False, node.name + ":mask"))
-        elif kind in (OpKind.LOSS, OpKind.OTHER):
-            g.eager_saved.extend(grad_acts)
+        elif mask is not None:
+            g.eager_saved.append(mask)
         keep: list[_Act] = []
-        if kind is OpKind.DROPOUT and meta is not None:
-            mask = TensorMeta(shape=meta.shape, dtype="bool", batch_dims=meta.batch_dims)
-            keep.append(_Act(g.gid, mask, False, node.name + ":mask"))
+        if mask is not None:
+            keep.append(mask)
         elif kind is OpKind.SOFTMAX and meta is not None:
             keep.append(_Act(g.gid, meta, True, node.name))
         elif kind is OpKind.NORM:
             keep.extend(grad_acts[:1])
-        elif name in ak.NONLINEAR_POINTWISE or (name == "mul" and len(grad_acts) >= 2):
-            keep.extend(grad_acts)
-        elif name in ("div", "true_divide") and len(vals) > 1 and vals[1] in grad_acts:
-            keep.extend(grad_acts)  # d(a/b)/db needs a and b
-        elif kind in (OpKind.LOSS, OpKind.REDUCTION, OpKind.OTHER):
+        elif name in ak.NONLINEAR_POINTWISE or (name == "mul" and len(grad_acts) >= 2) or divides \
+                or kind in (OpKind.LOSS, OpKind.REDUCTION, OpKind.OTHER):
             keep.extend(grad_acts)
         for v in keep:
             if v.gid == g.gid and not v.node.endswith((":mask",)) and kind is not OpKind.SOFTMAX:

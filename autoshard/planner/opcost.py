@@ -302,7 +302,8 @@ def _saved_bytes(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float
     if op.kind is OpKind.NORM and op.saved_fused is None and not ctx.fused_pointwise and st.inputs \
             and _axes(st.inputs[0], (FEAT,)):
         # over a sharded hidden dim the runtime's statistics-parallel norm (runtime/norms.py) runs as pointwise
-        # ops: a LayerNorm keeps its centered input and its normalized output where the one kernel keeps the input
+        # ops and keeps the normalized output besides its (centered or upcast) input, where one kernel keeps the
+        # input only
         kept += tensor_bytes(op.output_meta, ctx.precision, samples=ctx.micro_batch) / div
     return kept, dropped
 

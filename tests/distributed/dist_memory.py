@@ -17,21 +17,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _param_storages(model) -> set[int]:
+    return {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def _is_param(t: torch.Tensor, params: set[int]) -> bool:
+    """A parameter, a view of one (linear saves weight.t()) or FSDP's unsharded copy of one."""
+    local = _local(t)
+    return any(isinstance(x, torch.nn.Parameter) for x in (t, local, t._base, local._base)) \
+        or local.untyped_storage().data_ptr() in params
+
+
 def _one(case: dict) -> int:
     model = build(case["model"])
     x, _ = example_batch(case["model"], case["batch"])
     example = None if case.get("spmd") else (x[:2],)
     pmodel = apply_plan(model, case["plan"], mesh=build_device_mesh(case["plan"].mesh), example_inputs=example)
-    params = {_local(p).untyped_storage().data_ptr() for p in pmodel.parameters()}
+    params = _param_storages(pmodel)
     (lx,) = pmodel.shard_inputs((x,))
     storages: dict[int, int] = {}
 
     def pack(t):
-        local = _local(t)
-        s = local.untyped_storage()
-        # a parameter, a view of one (linear saves weight.t()), or FSDP's unsharded copy of one
-        is_param = any(isinstance(x, torch.nn.Parameter) for x in (t, local, t._base, local._base))
-        if not is_param and s.data_ptr() not in params:
+        if not _is_param(t, params):
+            s = _local(t).untyped_storage()
             storages[s.data_ptr()] = s.nbytes()
         return t
 
@@ -70,17 +78,13 @@ def _peak_pipeline(case: dict) -> int:
     model = build_model(case["model"], case["layers"])
     x, y = batch(case["model"], case["batch"])
     pm = _parallelize(model, case, x)
-    params = {_local(p).untyped_storage().data_ptr() for p in pm.parameters()}
+    params = _param_storages(pm)
     lx, ly = pm.shard_inputs((x, y))
     live: dict = {}
     peak = [0]
 
     def pack(t):
-        local = _local(t)
-        if any(isinstance(z, torch.nn.Parameter) for z in (t, local, t._base, local._base)) \
-                or local.untyped_storage().data_ptr() in params:
-            return t
-        return _Held(t, live, peak)
+        return t if _is_param(t, params) else _Held(t, live, peak)
 
     def unpack(h):
         return h.t if isinstance(h, _Held) else h
