@@ -26,7 +26,7 @@ def _explicit_attn(model) -> bool:
 def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None = None, micro_batch: int = 1,
                     global_batch: int, seq: int | None = None, recompute: str = "none",
                     sequence_parallel: bool = False, virtual_stages: int = 1, schedule: str | None = None,
-                    zero: int = 0, attention: str = "auto", fused_kernels: bool = False,
+                    zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False,
                     tp_comm_overlap: str | bool = "", allocator: str = "expandable", check_memory: bool = True):
     """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
 
@@ -35,7 +35,9 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     softmax before flash attention, Hugging Face "eager"), "sdpa" (Hugging Face's masked SDPA), or "auto":
     flash, unless the model spec names its attention (`attn=`). `fused_kernels`: each pointwise region runs as
     one kernel (Megatron-LM's fused kernels, torch.compile) that keeps only its inputs for backward, instead of
-    one kernel per ATen op keeping what its derivative needs (eager PyTorch).
+    one kernel per ATen op keeping what its derivative needs (eager PyTorch). `fused_loss`: the cross-entropy
+    runs as one kernel each way over the 16-bit logits, keeping them and writing a 16-bit gradient
+    (flash-attn's CrossEntropyLoss, llm-foundry's default loss), instead of torch's cross_entropy on fp32 logits.
     `tp_comm_overlap`: tensor-parallel collectives overlap compute: "backward" (Megatron-LM's asynchronous
     tensor-parallel communication) or "all" / True (Megatron-Core --tp-comm-overlap).
     `allocator`: PyTorch's CUDA allocator mode, "expandable" (expandable_segments:True, as torchtitan and
@@ -44,8 +46,8 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     attention = resolve_attention(model, attention)
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
               recompute=recompute, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
-              schedule=schedule, zero=zero, fused_kernels=fused_kernels, tp_comm_overlap=tp_comm_overlap,
-              allocator=allocator)
+              schedule=schedule, zero=zero, fused_kernels=fused_kernels, fused_loss=fused_loss,
+              tp_comm_overlap=tp_comm_overlap, allocator=allocator)
     return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
 
@@ -63,7 +65,8 @@ def capture_ref(ref, *, seq: int | None = None, attn: str | None = None):
 
 
 def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
-              virtual_stages, schedule, zero, attn, check_memory, fused_kernels, tp_comm_overlap, allocator):
+              virtual_stages, schedule, zero, attn, check_memory, fused_kernels, fused_loss, tp_comm_overlap,
+              allocator):
     cluster = resolve_cluster(cluster)
     if dp is None:
         if cluster.num_gpus % (tp * pp):
@@ -71,7 +74,8 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
         dp = cluster.num_gpus // (tp * pp)
     cfg = HandConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
                      sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero,
-                     fused_kernels=fused_kernels, tp_comm_overlap=tp_comm_overlap, allocator=allocator)
+                     fused_kernels=fused_kernels, fused_loss=fused_loss, tp_comm_overlap=tp_comm_overlap,
+                     allocator=allocator)
     graph = capture_ref(model, seq=seq, attn=attn)
     plan, _ = estimate(graph, cluster, cfg)
     need = plan.prediction.memory.total_bytes

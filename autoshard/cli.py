@@ -116,7 +116,7 @@ def _cmd_estimate(args) -> int:
         args.model, args.cluster, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
         global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
-        zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels,
+        zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels, fused_loss=args.fused_loss,
         tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator)
     args.progress.close()
     pred = plan.prediction
@@ -125,7 +125,7 @@ def _cmd_estimate(args) -> int:
                          "virtual_stages": plan.pipeline.virtual_stages,
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
-            "recompute": plan.recompute, "fused_kernels": args.fused_kernels,
+            "recompute": plan.recompute, "fused_kernels": args.fused_kernels, "fused_loss": args.fused_loss,
             "tp_comm_overlap": args.tp_comm_overlap or "none",
             **prediction_json(pred), "warnings": _warnings(pred, cluster, plan)}
     from autoshard.planner.explain import batch_label, recompute_label
@@ -421,6 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="price each pointwise region as one fused kernel (Megatron-LM's fused kernels, "
                         "torch.compile) that keeps only its inputs for backward; default: one kernel per ATen op, "
                         "each keeping what its derivative needs, as eager PyTorch runs it")
+    e.add_argument("--fused-loss", action="store_true",
+                   help="price the cross-entropy as one kernel each way over the 16-bit logits, which keeps them "
+                        "and writes a 16-bit gradient (flash-attn's CrossEntropyLoss, llm-foundry's default); "
+                        "default: torch's cross_entropy on fp32-upcast logits, three fp32 logit-sized buffers at "
+                        "the start of backward, as torchtitan and autoshard's runtime run it")
     e.add_argument("--tp-comm-overlap", nargs="?", const="all", default="", choices=("backward", "all"),
                    help="tensor-parallel collectives overlap compute, as autoshard's runtime does not (plans never "
                         "assume it): 'all' (the default when given) as Megatron-Core's --tp-comm-overlap; "

@@ -136,3 +136,16 @@ def test_backward_tp_overlap_hides_input_gradient_collectives_and_all_also_the_f
     assert (flag["tp_comm_overlap"], backward["tp_comm_overlap"]) == ("all", "backward")
     bad = run(*args, "--tp-comm-overlap", "forward")
     assert bad.returncode == 2 and "--tp-comm-overlap" in bad.stderr
+
+
+def test_fused_loss_fits_a_large_vocabulary_that_eager_cross_entropy_does_not():
+    """`--fused-loss` (flash-attn's CrossEntropyLoss, llm-foundry's default): 4 bytes per logit at the start of
+    backward instead of eager's 12, so 4 x 8192 tokens over a 131,072-token vocabulary (4.3e9 logits, 48 GiB
+    eager) fit a 40 GB GPU only fused; the JSON says which loss was priced."""
+    args = ("estimate", "gpt:layers=2,hidden=256,heads=4,seq=8192,vocab=131072", "--cluster", "1x1xA100-40GB",
+            "--micro-batch", "4", "--global-batch", "4", "--json")
+    eager, fused = run(*args), run(*args, "--fused-loss")
+    assert eager.returncode == 2 and "needs" in eager.stderr and eager.stdout == ""
+    assert fused.returncode == 0, fused.stderr
+    out = json.loads(fused.stdout)
+    assert out["fused_loss"] is True and out["memory_gib"]["transient"] < 20

@@ -92,11 +92,18 @@ def framework_overhead_bytes(num_groups: int) -> float:
     return (CUDA_CONTEXT_GIB + NCCL_PER_GROUP_GIB * max(0, num_groups)) * GIB
 
 
-def loss_buffer_bytes(logits_numel: float) -> float:
-    """Bytes the cross-entropy loss over `logits_numel` logits holds at the start of backward: three fp32
-    logit-sized tensors (the log-probabilities log_softmax saves, the gradient nll_loss returns, the gradient
-    log_softmax returns). The loss upcasts the logits first (torchtitan, Megatron-LM's vocab-parallel
-    cross-entropy and Hugging Face's loss all do). Llama 3 8B at 16k tokens per GPU: 23.5 GiB."""
+def loss_buffer_bytes(logits_numel: float, *, fused: bool = False, act_bytes: int = 2) -> float:
+    """Bytes the cross-entropy loss over `logits_numel` logits holds at the start of backward.
+
+    Eager (`torch.nn.functional.cross_entropy` on upcast logits: torchtitan, Hugging Face, autoshard's runtime):
+    three fp32 logit-sized tensors, the log-probabilities log_softmax saves, the gradient nll_loss returns and
+    the gradient log_softmax returns. Llama 3 8B at 16k tokens per GPU: 23.5 GiB.
+    Fused (`fused`: one kernel each way over the `act_bytes` logits, flash-attn's CrossEntropyLoss, which
+    llm-foundry runs by default as loss_fn "fused_crossentropy"): the kernel keeps the logits and a log-sum-exp
+    per row, and its backward writes the gradient at the logits' precision: two logit-sized tensors
+    (flash_attn/ops/triton/cross_entropy.py)."""
+    if fused:
+        return logits_numel * 2 * act_bytes
     return logits_numel * 3 * 4
 
 

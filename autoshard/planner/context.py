@@ -38,6 +38,9 @@ class PlanContext:
     # pointwise ops as one fused kernel each (Megatron-LM's fused kernels, torch.compile); False: eager
     # PyTorch, one kernel per ATen op (the runtime's own execution)
     fused_pointwise: bool = False
+    # the cross-entropy as one fused kernel each way over 16-bit logits (flash-attn's CrossEntropyLoss,
+    # llm-foundry's default); False: eager torch cross_entropy on upcast logits (the runtime's)
+    fused_loss: bool = False
     allocator: str = "expandable"  # PyTorch CUDA allocator mode (cost_models/memory.py ALLOCATOR_FRAGMENTATION)
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 

@@ -37,6 +37,7 @@ class HandConfig:
     schedule: str | None = None  # default: 1f1b, or interleaved-1f1b when virtual_stages > 1
     zero: int = 0
     fused_kernels: bool = False  # pointwise regions as one kernel each (Megatron-LM, torch.compile)
+    fused_loss: bool = False  # the cross-entropy as one kernel each way (flash-attn's, llm-foundry's default)
     # tensor-parallel collectives overlap compute: "" no (autoshard's runtime), "backward" (Megatron-LM's
     # asynchronous TP communication), "all" (Megatron-Core --tp-comm-overlap); True means "all"
     tp_comm_overlap: str | bool = ""
@@ -128,7 +129,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)) if d > 1})
     ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
                       precision=default_precision(cluster), recompute=cfg.recompute, seq=graph.seq_len,
-                      fused_pointwise=cfg.fused_kernels, tp_overlap=cfg.tp_comm_overlap,
+                      fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, tp_overlap=cfg.tp_comm_overlap,
                       allocator=cfg.allocator)
     assign = megatron_assignment(graph, mesh, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
                                  zero=cfg.zero)

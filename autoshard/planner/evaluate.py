@@ -251,11 +251,15 @@ def _optim_bytes_per_param(ctx: PlanContext) -> float:
 
 
 def loss_s(output: TensorMeta, ctx: PlanContext) -> float:
-    """Seconds of the training loss on one micro-batch's output, forward or backward: cross-entropy over
-    logits is log_softmax then nll_loss in fp32 (the logits upcast first), about three fp32 passes each way
-    and four kernels; outputs without a batch dim or that are not floating point cost nothing."""
+    """Seconds of the training loss on one micro-batch's output, each way. Eager cross-entropy over logits is
+    log_softmax then nll_loss in fp32 (the logits upcast first), about three fp32 passes each way and four
+    kernels. A fused cross-entropy kernel (`ctx.fused_loss`) reads the 16-bit logits once forward, reads them
+    and writes their gradient backward: half of those three passes each way, one kernel. Outputs without a
+    batch dim or that are not floating point cost nothing."""
     if not _has_loss(output):
         return 0.0
+    if ctx.fused_loss:
+        return memory_bound_time_s(1.5 * output.numel * ctx.micro_batch * ctx.precision.act_bytes, ctx.gpu)
     return memory_bound_time_s(3 * output.numel * ctx.micro_batch * 4, ctx.gpu, kernels=4)
 
 
@@ -273,7 +277,8 @@ def loss_per_stage(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanCont
         meta = graph.op(name).output_meta
         secs[stage[name]] += loss_s(meta, ctx)
         if _has_loss(meta):
-            nbytes[stage[name]] += loss_buffer_bytes(meta.numel * ctx.micro_batch)
+            nbytes[stage[name]] += loss_buffer_bytes(meta.numel * ctx.micro_batch, fused=ctx.fused_loss,
+                                                     act_bytes=ctx.precision.act_bytes)
     return secs, nbytes
 
 
