@@ -26,7 +26,7 @@ def _explicit_attn(model) -> bool:
 def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None = None, micro_batch: int = 1,
                     global_batch: int, seq: int | None = None, recompute: str = "none",
                     sequence_parallel: bool = False, virtual_stages: int = 1, schedule: str | None = None,
-                    zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False,
+                    zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False, zero_impl: str = "fsdp2",
                     tp_comm_overlap: str | bool = "", allocator: str = "expandable", check_memory: bool = True):
     """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
 
@@ -38,6 +38,9 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     one kernel per ATen op keeping what its derivative needs (eager PyTorch). `fused_loss`: the cross-entropy
     runs as one kernel each way over the 16-bit logits, keeping them and writing a 16-bit gradient
     (flash-attn's CrossEntropyLoss, llm-foundry's default loss), instead of torch's cross_entropy on fp32 logits.
+    `zero_impl`: how ZeRO-3 gathers parameters, "fsdp2" (per block, prefetched: autoshard's runtime, FSDP,
+    DeepSpeed since late 2021) or "deepspeed-2021" (per submodule, waited for, ~24 GB/s per GPU: DeepSpeed's
+    ZeRO-3 before PR #1188; `cost_models/zero_impl.py`).
     `tp_comm_overlap`: tensor-parallel collectives overlap compute: "backward" (Megatron-LM's asynchronous
     tensor-parallel communication) or "all" / True (Megatron-Core --tp-comm-overlap).
     `allocator`: PyTorch's CUDA allocator mode, "expandable" (expandable_segments:True, as torchtitan and
@@ -47,7 +50,7 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
               recompute=recompute, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
               schedule=schedule, zero=zero, fused_kernels=fused_kernels, fused_loss=fused_loss,
-              tp_comm_overlap=tp_comm_overlap, allocator=allocator)
+              zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator)
     return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
 
@@ -65,8 +68,8 @@ def capture_ref(ref, *, seq: int | None = None, attn: str | None = None):
 
 
 def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
-              virtual_stages, schedule, zero, attn, check_memory, fused_kernels, fused_loss, tp_comm_overlap,
-              allocator):
+              virtual_stages, schedule, zero, attn, check_memory, fused_kernels, fused_loss, zero_impl,
+              tp_comm_overlap, allocator):
     cluster = resolve_cluster(cluster)
     if dp is None:
         if cluster.num_gpus % (tp * pp):
@@ -74,8 +77,8 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
         dp = cluster.num_gpus // (tp * pp)
     cfg = HandConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
                      sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero,
-                     fused_kernels=fused_kernels, fused_loss=fused_loss, tp_comm_overlap=tp_comm_overlap,
-                     allocator=allocator)
+                     fused_kernels=fused_kernels, fused_loss=fused_loss, zero_impl=zero_impl,
+                     tp_comm_overlap=tp_comm_overlap, allocator=allocator)
     graph = capture_ref(model, seq=seq, attn=attn)
     plan, _ = estimate(graph, cluster, cfg)
     need = plan.prediction.memory.total_bytes

@@ -117,6 +117,7 @@ def _cmd_estimate(args) -> int:
         global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
         zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels, fused_loss=args.fused_loss,
+        zero_impl=args.zero_impl,
         tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator)
     args.progress.close()
     pred = plan.prediction
@@ -126,6 +127,7 @@ def _cmd_estimate(args) -> int:
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             "recompute": plan.recompute, "fused_kernels": args.fused_kernels, "fused_loss": args.fused_loss,
+            "zero_impl": args.zero_impl,
             "tp_comm_overlap": args.tp_comm_overlap or "none",
             **prediction_json(pred), "warnings": _warnings(pred, cluster, plan)}
     from autoshard.planner.explain import batch_label, recompute_label
@@ -426,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "and writes a 16-bit gradient (flash-attn's CrossEntropyLoss, llm-foundry's default); "
                         "default: torch's cross_entropy on fp32-upcast logits, three fp32 logit-sized buffers at "
                         "the start of backward, as torchtitan and autoshard's runtime run it")
+    e.add_argument("--zero-impl", choices=("fsdp2", "deepspeed-2021"), default="fsdp2",
+                   help="how --zero 3 gathers parameters: fsdp2 (one gather per block, prefetched beside compute: "
+                        "autoshard's runtime, torchtitan, FSDP, DeepSpeed since late 2021) or deepspeed-2021 "
+                        "(DeepSpeed's ZeRO-3 before its mid-2021 rewrite: one gather per submodule, each waited "
+                        "for, again for recompute, at ~24 GB/s per GPU; DeepSpeed PR #1188, issue #1174)")
     e.add_argument("--tp-comm-overlap", nargs="?", const="all", default="", choices=("backward", "all"),
                    help="tensor-parallel collectives overlap compute, as autoshard's runtime does not (plans never "
                         "assume it): 'all' (the default when given) as Megatron-Core's --tp-comm-overlap; "

@@ -303,3 +303,40 @@ def test_interleaved_stages_hold_the_warmup_forwards_torchs_schedule_runs_before
         assert inflight_microbatches(stage, pipe, m) == pytest.approx(chunks / v)
     if m >= 2 * p:  # enough micro-batches that the warmup is not cut short
         assert inflight_microbatches(0, pipe, m) == pytest.approx(p + (p - 1) / v)
+
+
+# -- ZeRO-3 implementations -------------------------------------------------------------------------------------
+def test_deepspeed_2021_zero3_waits_for_a_gather_per_parameter_at_its_measured_rate_and_again_for_recompute():
+    """`zero_impl="deepspeed-2021"` (cost_models/zero_impl.py): every parameter of at least 1e5 elements is
+    gathered before its forward and its backward, at ~24 GB/s (DeepSpeed issue #1174), and the step waits;
+    full recompute gathers the block's parameters a third time. FSDP2 prefetches per block and hides most."""
+    from autoshard.cost_models.zero_impl import DEEPSPEED_2021_GATHER_GBPS, DEEPSPEED_PERSISTENCE_NUMEL
+
+    graph = capture_model(load_model("gpt:layers=2,hidden=1024,heads=8,seq=256,vocab=1024"))
+    cluster = ClusterSpec.parse("1x8xA100-80GB")
+    cfg = dict(dp=8, micro_batch=1, global_batch=8, zero=3)
+    fsdp, _ = estimate(graph, cluster, HandConfig(**cfg))
+    ds, ev = estimate(graph, cluster, HandConfig(**cfg, zero_impl="deepspeed-2021"))
+    rate = DEEPSPEED_2021_GATHER_GBPS * 1e9
+
+    def gathered_bytes(ops):
+        return 2 * sum(p.numel for op in ops for p in op.params if p.owner and p.numel >= DEEPSPEED_PERSISTENCE_NUMEL)
+
+    sync = sum(c.dp_sync_s for c in ev.op_costs.values())
+    # on NVLink the implementation's rate, not NCCL, bounds the gathers (all but the smallest): forward and backward
+    assert sync == pytest.approx(2 * gathered_bytes(graph.ops) / rate, rel=0.01)
+    assert ds.prediction.time.exposed_comm_s >= sync  # none of it hidden
+    assert ds.prediction.iteration_time_s > fsdp.prediction.iteration_time_s
+    _, ev_full = estimate(graph, cluster, HandConfig(**cfg, zero_impl="deepspeed-2021", recompute="full"))
+    in_blocks = gathered_bytes([op for op in graph.ops if op.layer is not None])
+    assert sum(c.dp_sync_s for c in ev_full.op_costs.values()) == pytest.approx(sync + in_blocks / rate, rel=0.01)
+
+
+def test_zero3_gather_of_an_unknown_implementation_is_an_error_and_fsdp2_is_nccls_time():
+    from autoshard.cost_models.zero_impl import zero3_gather_s
+
+    assert zero3_gather_s("fsdp2", 1e9, 0.01, numel=5e8) == 0.01
+    assert zero3_gather_s("deepspeed-2021", 1e9, 0.01, numel=5e8) == pytest.approx(0.420 / 10.2)  # #1174's rate
+    assert zero3_gather_s("deepspeed-2021", 1e4, 0.01, numel=5e3) == 0.0  # kept whole: never gathered
+    with pytest.raises(ValueError, match="unknown ZeRO-3 implementation"):
+        zero3_gather_s("megatron", 1e9, 0.01, numel=5e8)

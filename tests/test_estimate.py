@@ -149,3 +149,9 @@ def test_fused_loss_fits_a_large_vocabulary_that_eager_cross_entropy_does_not():
     assert fused.returncode == 0, fused.stderr
     out = json.loads(fused.stdout)
     assert out["fused_loss"] is True and out["memory_gib"]["transient"] < 20
+
+
+def test_zero_impl_without_zero3_is_a_one_line_error_naming_the_fix():
+    out = run("estimate", "gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", "--cluster", "1x8xA100-80GB",
+              "--dp", "8", "--global-batch", "8", "--zero-impl", "deepspeed-2021")
+    assert out.returncode == 2 and "--zero 3" in out.stderr and out.stderr.count("\n") == 1

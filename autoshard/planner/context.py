@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from autoshard.cost_models.comm import GroupPlacement, collective_time_s, group_placement, p2p_time_s
 from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION, BF16_MIXED, FP32, Precision
+from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.planner.layouts import MeshSpec
 
 __all__ = ["PlanContext", "default_precision", "TP_OVERLAP"]
@@ -41,6 +42,9 @@ class PlanContext:
     # the cross-entropy as one fused kernel each way over 16-bit logits (flash-attn's CrossEntropyLoss,
     # llm-foundry's default); False: eager torch cross_entropy on upcast logits (the runtime's)
     fused_loss: bool = False
+    # how ZeRO-3 moves parameters (cost_models/zero_impl.py ZERO_IMPLS): "fsdp2" (the runtime's) or
+    # "deepspeed-2021" (DeepSpeed before its mid-2021 rewrite; estimate only)
+    zero_impl: str = "fsdp2"
     allocator: str = "expandable"  # PyTorch CUDA allocator mode (cost_models/memory.py ALLOCATOR_FRAGMENTATION)
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -49,6 +53,8 @@ class PlanContext:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
         if self.tp_overlap not in TP_OVERLAP:
             raise ValueError(f"unknown tp_overlap {self.tp_overlap!r}; use one of {TP_OVERLAP}")
+        if self.zero_impl not in ZERO_IMPLS:
+            raise ValueError(f"unknown zero_impl {self.zero_impl!r}; use one of {', '.join(ZERO_IMPLS)}")
         if self.allocator not in ALLOCATOR_FRAGMENTATION:
             raise ValueError(f"unknown allocator {self.allocator!r}; use one of {', '.join(ALLOCATOR_FRAGMENTATION)}")
         if self.mesh.size > self.cluster.num_gpus:

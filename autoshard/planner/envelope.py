@@ -111,5 +111,6 @@ def sharding_warnings(plan, gpu_name: str) -> list[str]:
         return []
     return [f"parameters are sharded (ZeRO-3) over {dp:,} data-parallel ranks; the largest fully sharded run "
             f"checked is FSDP on {LARGEST_SHARDED_RUN} GPUs (MPT 70B, within 3%), and DeepSpeed's ZeRO-3 at "
-            "768-2,240 GPUs ran 2-4x slower than this model prices it (benchmarks/published_validation.md); "
-            "treat the prediction as optimistic until measured (autoshard measure)"]
+            "768-2,240 GPUs (2021) ran 2-4x slower than FSDP2 is priced here (its own implementation: estimate "
+            "--zero-impl deepspeed-2021; benchmarks/published_validation.md); treat the prediction as optimistic "
+            "until measured (autoshard measure)"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.cost_models.memory import ALLOCATORS
+from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.planner.bounds import block_costs
 from autoshard.planner.context import TP_OVERLAP, PlanContext, default_precision
@@ -38,6 +39,7 @@ class HandConfig:
     zero: int = 0
     fused_kernels: bool = False  # pointwise regions as one kernel each (Megatron-LM, torch.compile)
     fused_loss: bool = False  # the cross-entropy as one kernel each way (flash-attn's, llm-foundry's default)
+    zero_impl: str = "fsdp2"  # how ZeRO-3 gathers parameters (cost_models/zero_impl.py)
     # tensor-parallel collectives overlap compute: "" no (autoshard's runtime), "backward" (Megatron-LM's
     # asynchronous TP communication), "all" (Megatron-Core --tp-comm-overlap); True means "all"
     tp_comm_overlap: str | bool = ""
@@ -60,6 +62,12 @@ class HandConfig:
                                      params=("schedule",))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigurationError(f"zero={self.zero}: use 0, 1, 2 or 3", params=("zero",))
+        if self.zero_impl not in ZERO_IMPLS:
+            raise ConfigurationError(f"zero_impl={self.zero_impl!r}: use one of {', '.join(ZERO_IMPLS)}",
+                                     params=("zero_impl",))
+        if self.zero_impl != "fsdp2" and self.zero != 3:
+            raise ConfigurationError(f"zero_impl={self.zero_impl!r} prices ZeRO-3's parameter gathers: add zero=3",
+                                     params=("zero_impl", "zero"))
         if self.allocator not in ALLOCATORS:
             raise ConfigurationError(f"allocator={self.allocator!r}: use one of {', '.join(ALLOCATORS)}",
                                      params=("allocator",))
@@ -129,7 +137,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)) if d > 1})
     ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
                       precision=default_precision(cluster), recompute=cfg.recompute, seq=graph.seq_len,
-                      fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, tp_overlap=cfg.tp_comm_overlap,
+                      fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, zero_impl=cfg.zero_impl, tp_overlap=cfg.tp_comm_overlap,
                       allocator=cfg.allocator)
     assign = megatron_assignment(graph, mesh, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
                                  zero=cfg.zero)

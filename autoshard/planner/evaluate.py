@@ -162,6 +162,7 @@ class _Stage:
     tp: float = 0.0
     dp_fwd: float = 0.0  # ZeRO gathers before each micro-batch's forward
     dp_bwd: float = 0.0  # ZeRO gathers and gradient reduce-scatters in each micro-batch's backward
+    dp_sync: float = 0.0  # ZeRO-3 gathers the micro-batch waits for (an implementation that does not prefetch)
     dp_iter: float = 0.0
     units: int = 0
     memory: MemoryBreakdown = MemoryBreakdown()
@@ -205,6 +206,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.tp_hidden += n * _beside_wgrad(c.tp_bwd_s, op.name, op_costs, graph, ctx)
             st.dp_fwd += n * c.dp_fwd_s
             st.dp_bwd += n * c.dp_bwd_s
+            st.dp_sync += n * c.dp_sync_s
             st.dp_iter += n * c.dp_iter_s
             st.params += n * c.optim_bytes / _optim_bytes_per_param(ctx)  # the step runs on the shard
             st.param_tensors += n * sum(1 for p in op.params if p.owner)
@@ -376,6 +378,7 @@ def stage_exposed_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) ->
     else:
         dp = (exposed_comm_s(st.fwd, st.dp_fwd, units=u, slowdown=s)
               + exposed_comm_s(st.bwd, st.dp_bwd, units=u, slowdown=s))
+    dp += st.dp_sync
     if ctx.tp_overlap == "all":
         tp = exposed_comm_s(st.fwd + st.bwd, st.tp, units=u, slowdown=s)
     else:  # "backward": what ran beside weight-gradient GEMMs is hidden (`_beside_wgrad`); "": nothing is

@@ -31,6 +31,7 @@ from autoshard.cost_models.compute import (
     memory_bound_time_s,
 )
 from autoshard.cost_models.memory import model_state_bytes, tensor_bytes
+from autoshard.cost_models.zero_impl import gathers_overlap, zero3_gather_s
 from autoshard.planner.context import PlanContext
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
 from autoshard.planner.plan import OpStrategy
@@ -63,6 +64,8 @@ class OpCost:
     comm: tuple[tuple[str, float], ...] = ()  # (collective, bytes) issued per micro-batch, for runtime checks
     recompute_peak_bytes: float = 0.0  # activations re-materialized while its block runs backward
     iter_comm: tuple[tuple[str, float], ...] = ()  # (collective, bytes) issued once per iteration
+    # ZeRO-3 gathers the step waits for, not overlapped (`estimate --zero-impl deepspeed-2021`; 0 for FSDP2)
+    dp_sync_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -203,7 +206,7 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
     prec, mesh = ctx.precision, ctx.mesh
     dp = mesh.degree("dp")
     p_b = g_b = o_b = 0.0
-    tp_f = tp_b = dp_f = dp_b = dp_i = transient = 0.0
+    tp_f = tp_b = dp_f = dp_b = dp_i = dp_s = transient = 0.0
     comm: list[tuple[str, float]] = []
     iter_comm: list[tuple[str, float]] = []
     ins = st.inputs[0] if st.inputs else st.output
@@ -239,7 +242,14 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
         dp_f, dp_b, dp_i, transient = dp_f + f, dp_b + b, dp_i + i, max(transient, tr)
         comm += c
         iter_comm += ic
-    return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm
+        if st.zero == 3 and not gathers_overlap(ctx.zero_impl) and mesh.degree("dp") > 1:
+            # gathered per op and waited for (cost_models/zero_impl.py): forward and backward
+            nb = local * prec.param_bytes
+            dp_f -= f
+            dp_b -= f
+            dp_s += 2 * zero3_gather_s(ctx.zero_impl, nb, ctx.collective_s("all_gather", nb, ("dp",)),
+                                       numel=numel)
+    return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i, dp_s), transient, comm, iter_comm
 
 
 def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float = 1.0):
@@ -352,17 +362,18 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
         base = _recompute_free(op, st, ctx, unit_numel, None)
     else:
         key = ("base", op.name, st, ctx.mesh, ctx.micro_batch, unit_numel, ctx.precision, ctx.fused_pointwise,
-               ctx.seq)
+               ctx.seq, ctx.zero_impl)
         base = memo.get(key)
         if base is None:
             base = memo[key] = _recompute_free(op, st, ctx, unit_numel, memo)
-    fwd, bwd, tp_f, tp_b, dp_f, dp_b, dp_i, states, transient, comm, iter_comm, kept, dropped = base
+    fwd, bwd, tp_f, tp_b, (dp_f, dp_b, dp_i, dp_s), states, transient, comm, iter_comm, kept, dropped = base
     recompute, peak = 0.0, 0.0
     lay = st.inputs[0] if st.inputs else st.output
     first_keeps = 0.0 if block_input is None else tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(
         1, _deg(lay, ctx, (BATCH, SEQ, FEAT)))
     if ctx.recompute == "full" and op.layer is not None:
         recompute, peak, kept = fwd + tp_f, kept + dropped, first_keeps
+        dp_s *= 1.5  # an implementation that waits for its gathers fetches again for the recompute forward
     elif ctx.recompute == "selective" and op.layer is not None and selective_keep is not None:
         peak = kept + dropped
         if selective_keep:  # the output is kept; what the op's backward needs is recomputed from it
@@ -377,7 +388,7 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
     return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
                   dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
                   optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
-                  comm=comm, recompute_peak_bytes=peak, iter_comm=iter_comm)
+                  comm=comm, recompute_peak_bytes=peak, iter_comm=iter_comm, dp_sync_s=dp_s)
 
 
 def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | None, memo: dict | None):
@@ -388,15 +399,15 @@ def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float 
     if memo is None:
         params = _param_costs(op, st, ctx, unit_numel)
     else:
-        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision)
+        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision, ctx.zero_impl)
         params = memo.get(key)
         if params is None:
             params = memo[key] = _param_costs(op, st, ctx, unit_numel)
-    states, (tp_f, tp_b), (dp_f, dp_b, dp_i), transient, comm, iter_comm = params
+    states, (tp_f, tp_b), dp, transient, comm, iter_comm = params
     copy_f, copy_b = _fsdp_copy_s(op, st, ctx)
     nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
     kept, dropped = _saved_bytes(op, st, ctx)
-    return (fwd + copy_f, bwd + copy_b, tp_f + nf, tp_b + nb, dp_f, dp_b, dp_i, states, transient,
+    return (fwd + copy_f, bwd + copy_b, tp_f + nf, tp_b + nb, dp, states, transient,
             tuple(comm + ncomm), tuple(iter_comm), kept, dropped)
 
 
