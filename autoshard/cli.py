@@ -361,6 +361,17 @@ def _check_args(args) -> None:
     if getattr(args, "plot", None):
         _check_plot(args.plot)
         _prepare_output(args.plot, "path")
+    if args.command == "estimate" and args.output:
+        other = [flag for flag, on in (("--fused-kernels", args.fused_kernels), ("--fused-loss", args.fused_loss),
+                                       ("--zero-impl", args.zero_impl != "fsdp2"),
+                                       ("--tp-comm-overlap", bool(args.tp_comm_overlap))) if on]
+        if other:  # measure compares a run of the runtime with the plan's prediction: it must be the runtime's
+            from autoshard.errors import ConfigurationError
+
+            raise ConfigurationError(
+                f"-o writes a plan for autoshard's runtime, which does not run what {', '.join(other)} prices "
+                "(another engine); drop them to write the plan, or drop -o to predict that engine",
+                params=("output",))
     if args.command in ("plan", "estimate", "profile") and args.output:
         _prepare_output(args.output, "output")
 

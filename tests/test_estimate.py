@@ -155,3 +155,13 @@ def test_zero_impl_without_zero3_is_a_one_line_error_naming_the_fix():
     out = run("estimate", "gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", "--cluster", "1x8xA100-80GB",
               "--dp", "8", "--global-batch", "8", "--zero-impl", "deepspeed-2021")
     assert out.returncode == 2 and "--zero 3" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_estimate_writes_no_plan_file_priced_for_another_engine(tmp_path):
+    """`measure` compares a run of autoshard's runtime with the plan file's prediction, so `-o` refuses the
+    options that price another engine (one line, exit 2, nothing written)."""
+    target = tmp_path / "plan.json"
+    out = run("estimate", "gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", "--cluster", "1x8xA100-80GB",
+              "--tp", "2", "--dp", "4", "--global-batch", "4", "--tp-comm-overlap", "backward", "-o", str(target))
+    assert out.returncode == 2 and "--tp-comm-overlap" in out.stderr and out.stderr.count("\n") == 1
+    assert not target.exists()
