@@ -26,7 +26,8 @@ def _explicit_attn(model) -> bool:
 def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None = None, micro_batch: int = 1,
                     global_batch: int, seq: int | None = None, recompute: str = "none",
                     sequence_parallel: bool = False, virtual_stages: int = 1, schedule: str | None = None,
-                    zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False, zero_impl: str = "fsdp2",
+                    zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False,
+                    zero_impl: str = "fsdp2",
                     tp_comm_overlap: str | bool = "", allocator: str = "expandable", check_memory: bool = True):
     """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
 

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import AutoshardError
 
 __all__ = ["main", "build_parser"]
@@ -439,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and writes a 16-bit gradient (flash-attn's CrossEntropyLoss, llm-foundry's default); "
                         "default: torch's cross_entropy on fp32-upcast logits, three fp32 logit-sized buffers at "
                         "the start of backward, as torchtitan and autoshard's runtime run it")
-    e.add_argument("--zero-impl", choices=("fsdp2", "deepspeed-2021"), default="fsdp2",
+    e.add_argument("--zero-impl", choices=ZERO_IMPLS, default="fsdp2",
                    help="how --zero 3 gathers parameters: fsdp2 (one gather per block, prefetched beside compute: "
                         "autoshard's runtime, torchtitan, FSDP, DeepSpeed since late 2021) or deepspeed-2021 "
                         "(DeepSpeed's ZeRO-3 before its mid-2021 rewrite: one gather per submodule, each waited "

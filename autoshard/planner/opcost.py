@@ -238,26 +238,21 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
             tp_b += sum(ctx.collective_s("all_reduce", gb, (a,)) for a in partial_axes)
             comm += [("all_reduce", gb)] * len(partial_axes)
         unit = max(1.0, (unit_numel or op.param_numel) / max(1, op.param_numel))
-        f, b, i, tr, c, ic = _dp_param_comm(local, st, ctx, unit)
-        dp_f, dp_b, dp_i, transient = dp_f + f, dp_b + b, dp_i + i, max(transient, tr)
+        f, b, i, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit)
+        dp_f, dp_b, dp_i, dp_s, transient = dp_f + f, dp_b + b, dp_i + i, dp_s + sync, max(transient, tr)
         comm += c
         iter_comm += ic
-        if st.zero == 3 and not gathers_overlap(ctx.zero_impl) and mesh.degree("dp") > 1:
-            # gathered per op and waited for (cost_models/zero_impl.py): forward and backward
-            nb = local * prec.param_bytes
-            dp_f -= f
-            dp_b -= f
-            dp_s += 2 * zero3_gather_s(ctx.zero_impl, nb, ctx.collective_s("all_gather", nb, ("dp",)),
-                                       numel=numel)
     return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i, dp_s), transient, comm, iter_comm
 
 
 def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float = 1.0):
     """Data-parallel traffic of `local` parameters at ZeRO level `st.zero` (split into `st.split` slices),
-    as their share of a unit `unit` times their size (a split op's slices are units of their own)."""
+    as their share of a unit `unit` times their size (a split op's slices are units of their own):
+    seconds (forward, backward, per iteration, waited for), transient bytes, collectives per micro-batch and
+    per iteration."""
     prec, dp = ctx.precision, ctx.mesh.degree("dp")
     if dp == 1:
-        return 0.0, 0.0, 0.0, 0.0, [], []
+        return 0.0, 0.0, 0.0, 0.0, 0.0, [], []
     pb, gb = local * prec.param_bytes, local * prec.grad_bytes
     s = st.split
     share = 1.0 / unit if s == 1 else 1.0
@@ -268,15 +263,19 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float =
         return s * ctx.collective_s(kind, nbytes / s, ("dp",))
 
     if st.zero == 0:
-        return 0.0, 0.0, coll("all_reduce", gb), 0.0, [], [("all_reduce", gb)]
+        return 0.0, 0.0, coll("all_reduce", gb), 0.0, 0.0, [], [("all_reduce", gb)]
     if st.zero == 1:  # distributed optimizer: reduce-scatter accumulated gradients, gather updated params
-        return 0.0, 0.0, coll("reduce_scatter", gb) + coll("all_gather", pb), 0.0, [], \
+        return 0.0, 0.0, coll("reduce_scatter", gb) + coll("all_gather", pb), 0.0, 0.0, [], \
             [("reduce_scatter", gb), ("all_gather", pb)]
     if st.zero == 2:  # FSDP SHARD_GRAD_OP: reduce-scatter each micro-batch, gather once per iteration
-        return 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, [("reduce_scatter", gb)], \
+        return 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, 0.0, [("reduce_scatter", gb)], \
             [("all_gather", pb)]
+    rs, comm = coll("reduce_scatter", gb), [("all_gather", 2 * pb), ("reduce_scatter", gb)]
+    if not gathers_overlap(ctx.zero_impl):  # gathered per op, forward and backward, and waited for
+        gather = zero3_gather_s(ctx.zero_impl, pb, ctx.collective_s("all_gather", pb, ("dp",)), numel=local)
+        return 0.0, rs, 0.0, 2 * gather, pb / s, comm, []
     ag = coll("all_gather", pb)
-    return ag, ag + coll("reduce_scatter", gb), 0.0, pb / s, [("all_gather", 2 * pb), ("reduce_scatter", gb)], []
+    return ag, ag + rs, 0.0, 0.0, pb / s, comm, []
 
 
 def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
