@@ -18,7 +18,8 @@ gradient; two transfers per chunk on inner stages, one on the first and last).
 Overlap (`cost_models/overlap.py`): ZeRO gathers of a micro-batch's forward overlap its forward compute only,
 its backward gathers and gradient reduce-scatters its backward compute only (a backward collective cannot
 start before the backward does), one FSDP unit per block, compute slowed by the GPU's `overlap_slowdown`
-while they run; the per-iteration gradient reduction overlaps the last micro-batch's backward the same way.
+while they run; the per-iteration gradient reduction overlaps the last micro-batch's backward the same way,
+sharing the link with that backward's own traffic (`iteration_sync_s`).
 Tensor-parallel collectives are on the critical path (the runtime's). `PlanContext.tp_overlap` prices other
 engines (`estimate` only: the runtime cannot): "backward", Megatron-LM's asynchronous tensor-parallel
 communication, where the collective of a linear's input gradient runs beside that linear's weight-gradient
@@ -386,6 +387,18 @@ def stage_exposed_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) ->
     return dp, tp
 
 
+def iteration_sync_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) -> float:
+    """Exposed seconds of a stage's per-iteration data-parallel traffic (ZeRO-0's all-reduce, ZeRO-1's
+    reduce-scatter and gather, ZeRO-2's gather), which overlaps the last micro-batch's backward. That backward
+    already hides its own traffic (ZeRO-2 and -3 reduce-scatter in every backward; spread over the m
+    micro-batches of a layered pipeline's backward phase), and the link carries both: what the two expose
+    together beyond what its own traffic does (a backward whose own traffic saturates the link hides none)."""
+    s, u = ctx.gpu.overlap_slowdown, st.units
+    own = st.dp_bwd / m if pipe.layered else st.dp_bwd
+    return (exposed_comm_s(st.bwd, own + st.dp_iter, units=u, slowdown=s)
+            - exposed_comm_s(st.bwd, own, units=u, slowdown=s))
+
+
 def core_share(ctx: PlanContext) -> float:
     """The fraction of a core each rank gets when all ranks of a node compute at once: CPU ranks that
     outnumber the node's cores (`num_sms` of a CPU profile) share them; GPUs have their own device."""
@@ -412,9 +425,7 @@ def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: in
     slow = full.index(t)
     steady_and_fill = max((m + fill) * t, m * t_shared)
     bubble = steady_and_fill - m * t_shared
-    # the per-iteration gradient reduction overlaps the last micro-batch's backward
-    sync = max(exposed_comm_s(st.bwd, st.dp_iter, units=st.units, slowdown=ctx.gpu.overlap_slowdown)
-               for st in stages)
+    sync = max(iteration_sync_s(st, ctx, pipe, m) for st in stages)
     opt = max(memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision), ctx.gpu)
               + st.param_tensors * ctx.gpu.optimizer_us_per_tensor * 1e-6 for st in stages) / share
     compute = m * (stages[slow].fwd + stages[slow].bwd) / share
