@@ -102,10 +102,10 @@ def test_the_recompute_predicate_names_exactly_the_ops_op_cost_recomputes(attent
 
 
 def _rows(problem) -> list[tuple]:
-    """Each constraint as (sense, rhs, {variable: coefficient}), per-stage variables (Ef_3, R_3, ...) named
+    """Each constraint as (sense, rhs, {variable: coefficient}), per-stage variables (Ef_3, Sg_3, R_3, ...) named
     without their stage, so that the same row written for two stages compares equal."""
     def name(v):
-        return re.sub(r"^(Ef|Eb|Et|S|R)_\d+$", r"\1", v.name)
+        return re.sub(r"^(Ef|Eb|Et|S|Sg|R)_\d+$", r"\1", v.name)
     return [(c.sense, round(-c.constant, 12), {name(v): round(a, 12) for v, a in c.items()})
             for c in problem.lp.constraints.values()]
 

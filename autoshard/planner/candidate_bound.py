@@ -104,7 +104,8 @@ def knapsack_bounds(graph, cand, prep, cap: float, cache: dict):
     the ILP; per pipeline stage k, with r = 1 - 1/u_k and s = 1 - 1/slow, its constraints give
         T >= F_k + B_k + P_k + (Df_k + Db_k)/u_k + Ef_k + Eb_k + fixed_k,
         Ef_k >= Df_k·r - F_k  and  Ef_k >= Df_k·r·s   (Eb_k likewise with Db_k, B_k),
-        S >= G_k/u_k + S_k,  S_k >= G_k·r - B_k  and  S_k >= G_k·r·s,   O >= opt_k,
+        S >= (G_k + Gf_k)/u_k + S_k + Sg_k,  S_k >= G_k·r - B_k  and  S_k >= G_k·r·s
+        (Sg_k likewise with Gf_k, F_k),   O >= opt_k,
     so for each choice of one lower bound per E and S (`_FORMS`) the objective (m + fill)·T + S + O is at
     least a constant plus a sum over ops of a cost per chosen strategy. An edge u -> v costs at least a dual
     charge to v's strategy plus one to u's (`_edge_minima`; three charge splits are tried, the one that binds
@@ -133,8 +134,9 @@ def knapsack_bounds(graph, cand, prep, cap: float, cache: dict):
             for hide_f, hide_b, hide_s in _FORMS:
                 items = [[(weight * (F + B + P + (Df + Db) / u + (Df * r - F if hide_f else Df * r * slow)
                                      + (Db * r - B if hide_b else Db * r * slow))
-                           + G / u + (G * r - B if hide_s else G * r * slow) + opt, nbytes)
-                          for F, B, P, Df, Db, G, opt, nbytes in op_parts] for op_parts in parts]
+                           + (G + Gf) / u + (G * r - B if hide_s else G * r * slow)
+                           + (Gf * r - F if hide_s else Gf * r * slow) + opt, nbytes)
+                          for F, B, P, Df, Db, G, Gf, opt, nbytes in op_parts] for op_parts in parts]
                 best = max(best, fixed + knapsack_lp_min(items, capacity))
                 yield best
 
@@ -176,7 +178,7 @@ def _edge_charges(tg, k: int, prep, minima, edges: str, cache: dict) -> dict[str
 
 
 def _stage_parts(tg, k: int, cand, prep, charges) -> tuple[list[list[tuple]], float]:
-    """(per op of stage k, per strategy: (F, B, P, Df, Db, G, opt seconds, bytes) of `knapsack_bound_s`;
+    """(per op of stage k, per strategy: (F, B, P, Df, Db, G, Gf, opt seconds, bytes) of `knapsack_bound_s`;
     the largest over the stage's ops of the smallest gathered buffer any of its strategies holds).
     B counts recompute, P the op's tensor-parallel traffic and its edge charges; Df and Db are divided by m
     under layered accumulation (one gather per step)."""
@@ -190,7 +192,7 @@ def _stage_parts(tg, k: int, cand, prep, charges) -> tuple[list[list[tuple]], fl
         n = tg.per_stage[name][k]
         costs = prep.costs[name]
         parts.append([(n * c.fwd_s, n * (c.bwd_s + c.recompute_s), n * (c.tp_fwd_s + c.tp_bwd_s) + edge_s[i],
-                       n * c.dp_fwd_s / per, n * c.dp_bwd_s / per, n * c.dp_iter_s,
+                       n * c.dp_fwd_s / per, n * c.dp_bwd_s / per, n * c.dp_iter_s, n * c.dp_iter_fwd_s,
                        n * c.optim_bytes * per_state_byte,
                        n * (c.state_bytes + frag * inflight * c.saved_bytes) + frag * c.recompute_peak_bytes)
                       for i, c in enumerate(costs)])

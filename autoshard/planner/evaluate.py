@@ -11,15 +11,16 @@ forward + backward time per micro-batch (compute, tensor-parallel communication,
     interleaved-1f1b:          (m + (p − 1)/v)·t, p2p traffic ×v   (ibid. §2.2.2)
     looped-bfs (layered):      (m + (p − 1)/v)·t, ZeRO gathers and reductions once per step, not per
                                micro-batch (Lamy-Poirier 2021 §3-4)
-plus the exposed part of the per-iteration gradient reduction and the optimizer step. t includes the
+plus the exposed part of the once-per-step data-parallel traffic and the optimizer step. t includes the
 pipeline receives the stage waits for (`_boundaries`: a received chunk's hidden states, a sent chunk's
 gradient; two transfers per chunk on inner stages, one on the first and last).
 
 Overlap (`cost_models/overlap.py`): ZeRO gathers of a micro-batch's forward overlap its forward compute only,
 its backward gathers and gradient reduce-scatters its backward compute only (a backward collective cannot
 start before the backward does), one FSDP unit per block, compute slowed by the GPU's `overlap_slowdown`
-while they run; the per-iteration gradient reduction overlaps the last micro-batch's backward the same way,
-sharing the link with that backward's own traffic (`iteration_sync_s`).
+while they run; the once-per-step traffic overlaps the last micro-batch's backward (gradient all-reduce,
+ZeRO-1's reduce-scatter) or the first one's forward (ZeRO-1 and -2's parameter gather) the same way, sharing
+the link with that phase's own traffic (`iteration_sync_s`).
 Tensor-parallel collectives are on the critical path (the runtime's). `PlanContext.tp_overlap` prices other
 engines (`estimate` only: the runtime cannot): "backward", Megatron-LM's asynchronous tensor-parallel
 communication, where the collective of a linear's input gradient runs beside that linear's weight-gradient
@@ -164,7 +165,8 @@ class _Stage:
     dp_fwd: float = 0.0  # ZeRO gathers before each micro-batch's forward
     dp_bwd: float = 0.0  # ZeRO gathers and gradient reduce-scatters in each micro-batch's backward
     dp_sync: float = 0.0  # ZeRO-3 gathers the micro-batch waits for (an implementation that does not prefetch)
-    dp_iter: float = 0.0
+    dp_iter: float = 0.0  # once per step after the last backward: ZeRO-0's all-reduce, ZeRO-1's reduce-scatter
+    dp_iter_fwd: float = 0.0  # once per step in the first forward: ZeRO-1 and -2's parameter all-gather
     units: int = 0
     memory: MemoryBreakdown = MemoryBreakdown()
     params: float = 0.0  # local parameter count (optimizer step)
@@ -209,6 +211,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.dp_bwd += n * c.dp_bwd_s
             st.dp_sync += n * c.dp_sync_s
             st.dp_iter += n * c.dp_iter_s
+            st.dp_iter_fwd += n * c.dp_iter_fwd_s
             st.params += n * c.optim_bytes / _optim_bytes_per_param(ctx)  # the step runs on the shard
             st.param_tensors += n * sum(1 for p in op.params if p.owner)
             st.memory = st.memory + MemoryBreakdown(params_bytes=n * c.param_bytes, grads_bytes=n * c.grad_bytes,
@@ -388,15 +391,20 @@ def stage_exposed_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) ->
 
 
 def iteration_sync_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) -> float:
-    """Exposed seconds of a stage's per-iteration data-parallel traffic (ZeRO-0's all-reduce, ZeRO-1's
-    reduce-scatter and gather, ZeRO-2's gather), which overlaps the last micro-batch's backward. That backward
-    already hides its own traffic (ZeRO-2 and -3 reduce-scatter in every backward; spread over the m
-    micro-batches of a layered pipeline's backward phase), and the link carries both: what the two expose
-    together beyond what its own traffic does (a backward whose own traffic saturates the link hides none)."""
+    """Exposed seconds of a stage's once-per-step data-parallel traffic, where the runtime issues it
+    (runtime/data_parallel.py `set_microbatch`): ZeRO-0's all-reduce and ZeRO-1's reduce-scatter overlap the last
+    micro-batch's backward, ZeRO-1 and -2's parameter gather the first micro-batch's forward. Those phases
+    already hide their own traffic (ZeRO-3's gathers, ZeRO-2 and -3's reduce-scatters; spread over the m
+    micro-batches of a layered pipeline's phases) on the same link: what both expose together beyond what
+    their own traffic does (a phase whose own traffic saturates the link hides none of the step's)."""
     s, u = ctx.gpu.overlap_slowdown, st.units
-    own = st.dp_bwd / m if pipe.layered else st.dp_bwd
-    return (exposed_comm_s(st.bwd, own + st.dp_iter, units=u, slowdown=s)
-            - exposed_comm_s(st.bwd, own, units=u, slowdown=s))
+
+    def beside(compute: float, own: float, extra: float) -> float:
+        own = own / m if pipe.layered else own
+        return (exposed_comm_s(compute, own + extra, units=u, slowdown=s)
+                - exposed_comm_s(compute, own, units=u, slowdown=s))
+
+    return beside(st.bwd, st.dp_bwd, st.dp_iter) + beside(st.fwd, st.dp_fwd, st.dp_iter_fwd)
 
 
 def core_share(ctx: PlanContext) -> float:

@@ -9,10 +9,10 @@ Variables
     y[e,a,b] >= 0          edge e carries producer layout a to consumer key b      (`_edge_vars`)
                            (b = consumer input layout and partial-gradient axes)
     T >= 0                 per-micro-batch time of the slowest stage
-    E_k, S_k, R_k >= 0     exposed ZeRO traffic, exposed gradient sync, transient buffer of stage k
+    E_k, S_k, R_k >= 0     exposed ZeRO traffic, exposed once-per-step traffic, transient buffer of stage k
 
 Objective (iteration time; `_objective`)
-    min (m + fill)·T + max_k (S_k + G_k/u_k) + max_k opt_k
+    min (m + fill)·T + max_k (S_k + Sg_k + (G_k + Gf_k)/u_k) + max_k opt_k
 
 Constraints
     sum_s x[o,s] = 1                                                   one strategy per op      (`_strategy_vars`)
@@ -26,7 +26,13 @@ Constraints
     Ef_k >= Df_k·(1 - 1/u_k)/l - F_k,  Ef_k >= Df_k·(1 - 1/u_k)·(1 - 1/slow)/l, Eb_k likewise with Db_k, B_k
                                                                        ZeRO overlap, compute slowed by the
                                                                        GPU's overlap_slowdown (`_overlap_rows`)
-    S_k >= G_k·(1 - 1/u_k) - B_k,  S_k >= G_k·(1 - 1/u_k)·(1 - 1/slow)  gradient-sync overlap
+    S_k >= G_k·(1 - 1/u_k) - B_k,  S_k >= G_k·(1 - 1/u_k)·(1 - 1/slow)  once-per-step overlap: G_k the
+    Sg_k likewise with Gf_k, F_k                                       gradient all-reduce (ZeRO-0) or
+                                                                       reduce-scatter (1) after the last
+                                                                       backward, Gf_k ZeRO-1/2's gather in
+                                                                       the first forward (evaluate.py also
+                                                                       counts the link they share with
+                                                                       Db_k, Df_k; the rows do not)
     (with --tp-comm-overlap P_k enters as P_k/u_k + Et_k, Et_k overlapping F_k + B_k like ZeRO traffic)
     R_k >= trans[o,s] x[o,s]  for o in stage k                         largest gathered buffer  (`_memory`)
     sum_o sum_s (n_k(o)·(state + f·inflight_k·saved) + f·peak)[o,s] x[o,s] + 2f·R_k + f·L_k + other <= cap
@@ -241,7 +247,7 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
         if shape in written:  # the same rows as a stage already written (the middle stages of a pipeline)
             continue
         written.add(shape)
-        fwd, bwd, tp, dpf, dpb, dpit, opt = [], [], [], [], [], [], []
+        fwd, bwd, tp, dpf, dpb, dpit, dpg, opt = [], [], [], [], [], [], [], []
         for op in tg.ops:
             n = tg.per_stage[op.name][k]
             if not n:
@@ -254,6 +260,7 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
                 dpf.append((v, n * c.dp_fwd_s))
                 dpb.append((v, n * c.dp_bwd_s))
                 dpit.append((v, n * c.dp_iter_s))
+                dpg.append((v, n * c.dp_iter_fwd_s))
                 opt.append((v, n * c.optim_bytes * per_state_byte))
         tp += edge_terms[k] + [t for s, t in out_terms if s == k]
         u = units[k]
@@ -268,7 +275,9 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
         lp += pulp.LpConstraint(_aff([(T, 1.0), (Ef, -1.0), (Eb, -1.0)] + [(v, -c) for v, c in fwd + bwd + first]
                                      + [(v, -c) for v, c in tp_terms]), pulp.LpConstraintGE, rhs=p2p[k])
         S = _overlap_rows(lp, f"S_{k}", dpit, bwd, units=u, slowdown=slow)
-        syncs.append((S, [(v, c / u) for v, c in dpit]))
+        dpg = [(v, c) for v, c in dpg if c]
+        Sg = [_overlap_rows(lp, f"Sg_{k}", dpg, fwd, units=u, slowdown=slow)] if dpg else []
+        syncs.append(([S, *Sg], [(v, c / u) for v, c in dpit + dpg]))
         opts.append(opt)
     return T, syncs, opts
 
@@ -388,7 +397,7 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
         S = _var(lp, "S", lowBound=0)
         O = _var(lp, "O", lowBound=0)
         for s_k, first in syncs:
-            lp += pulp.LpConstraint(_aff([(S, 1.0), (s_k, -1.0)] + [(v, -c) for v, c in first]),
+            lp += pulp.LpConstraint(_aff([(S, 1.0)] + [(e, -1.0) for e in s_k] + [(v, -c) for v, c in first]),
                                     pulp.LpConstraintGE, rhs=0)
         for o in opts:
             lp += pulp.LpConstraint(_aff([(O, 1.0)] + [(v, -c) for v, c in o]), pulp.LpConstraintGE, rhs=0)

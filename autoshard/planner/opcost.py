@@ -54,7 +54,7 @@ class OpCost:
     tp_bwd_s: float
     dp_fwd_s: float  # ZeRO-3 parameter all-gather before the forward (prefetchable)
     dp_bwd_s: float  # ZeRO-3 gather + gradient reduce-scatter in backward (overlappable)
-    dp_iter_s: float  # once per iteration: gradient all-reduce (ZeRO 0), reduce-scatter + gather (1, 2)
+    dp_iter_s: float  # once per iteration, after the last backward: gradient all-reduce (ZeRO 0), reduce-scatter (1)
     recompute_s: float  # forward work repeated in backward under the context's recompute mode
     param_bytes: float
     grad_bytes: float
@@ -66,6 +66,8 @@ class OpCost:
     iter_comm: tuple[tuple[str, float], ...] = ()  # (collective, bytes) issued once per iteration
     # ZeRO-3 gathers the step waits for, not overlapped (`estimate --zero-impl deepspeed-2021`; 0 for FSDP2)
     dp_sync_s: float = 0.0
+    # once per iteration, in the first forward: ZeRO-1 and -2 gather the parameters, kept until the last backward
+    dp_iter_fwd_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -206,7 +208,7 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
     prec, mesh = ctx.precision, ctx.mesh
     dp = mesh.degree("dp")
     p_b = g_b = o_b = 0.0
-    tp_f = tp_b = dp_f = dp_b = dp_i = dp_s = transient = 0.0
+    tp_f = tp_b = dp_f = dp_b = dp_i = dp_s = dp_g = transient = 0.0
     comm: list[tuple[str, float]] = []
     iter_comm: list[tuple[str, float]] = []
     ins = st.inputs[0] if st.inputs else st.output
@@ -238,21 +240,25 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
             tp_b += sum(ctx.collective_s("all_reduce", gb, (a,)) for a in partial_axes)
             comm += [("all_reduce", gb)] * len(partial_axes)
         unit = max(1.0, (unit_numel or op.param_numel) / max(1, op.param_numel))
-        f, b, i, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit)
-        dp_f, dp_b, dp_i, dp_s, transient = dp_f + f, dp_b + b, dp_i + i, dp_s + sync, max(transient, tr)
+        f, b, i, g, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit)
+        dp_f, dp_b, dp_i, dp_g, dp_s = dp_f + f, dp_b + b, dp_i + i, dp_g + g, dp_s + sync
+        transient = max(transient, tr)
         comm += c
         iter_comm += ic
-    return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i, dp_s), transient, comm, iter_comm
+    return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i, dp_s, dp_g), transient, comm, iter_comm
 
 
 def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float = 1.0):
     """Data-parallel traffic of `local` parameters at ZeRO level `st.zero` (split into `st.split` slices),
     as their share of a unit `unit` times their size (a split op's slices are units of their own):
-    seconds (forward, backward, per iteration, waited for), transient bytes, collectives per micro-batch and
-    per iteration."""
+    seconds (forward, backward, per iteration after the last backward, per iteration in the first forward,
+    waited for), transient bytes, collectives per micro-batch and per iteration. Where the runtime issues them
+    (runtime/data_parallel.py `set_microbatch`): ZeRO-0 all-reduces and ZeRO-1 reduce-scatters the accumulated
+    gradients after the last micro-batch's backward; ZeRO-1 and -2 gather the parameters in the first forward
+    and keep them until the last backward; ZeRO-2 and -3 reduce-scatter in every backward."""
     prec, dp = ctx.precision, ctx.mesh.degree("dp")
     if dp == 1:
-        return 0.0, 0.0, 0.0, 0.0, 0.0, [], []
+        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, [], []
     pb, gb = local * prec.param_bytes, local * prec.grad_bytes
     s = st.split
     share = 1.0 / unit if s == 1 else 1.0
@@ -263,19 +269,19 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float =
         return s * ctx.collective_s(kind, nbytes / s, ("dp",))
 
     if st.zero == 0:
-        return 0.0, 0.0, coll("all_reduce", gb), 0.0, 0.0, [], [("all_reduce", gb)]
+        return 0.0, 0.0, coll("all_reduce", gb), 0.0, 0.0, 0.0, [], [("all_reduce", gb)]
     if st.zero == 1:  # distributed optimizer: reduce-scatter accumulated gradients, gather updated params
-        return 0.0, 0.0, coll("reduce_scatter", gb) + coll("all_gather", pb), 0.0, 0.0, [], \
+        return 0.0, 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, 0.0, [], \
             [("reduce_scatter", gb), ("all_gather", pb)]
     if st.zero == 2:  # FSDP SHARD_GRAD_OP: reduce-scatter each micro-batch, gather once per iteration
-        return 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, 0.0, [("reduce_scatter", gb)], \
-            [("all_gather", pb)]
+        return 0.0, coll("reduce_scatter", gb), 0.0, coll("all_gather", pb), 0.0, 0.0, \
+            [("reduce_scatter", gb)], [("all_gather", pb)]
     rs, comm = coll("reduce_scatter", gb), [("all_gather", 2 * pb), ("reduce_scatter", gb)]
     if not gathers_overlap(ctx.zero_impl):  # gathered per op, forward and backward, and waited for
         gather = zero3_gather_s(ctx.zero_impl, pb, ctx.collective_s("all_gather", pb, ("dp",)), numel=local)
-        return 0.0, rs, 0.0, 2 * gather, pb / s, comm, []
+        return 0.0, rs, 0.0, 0.0, 2 * gather, pb / s, comm, []
     ag = coll("all_gather", pb)
-    return ag, ag + rs, 0.0, 0.0, pb / s, comm, []
+    return ag, ag + rs, 0.0, 0.0, 0.0, pb / s, comm, []
 
 
 def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
@@ -365,7 +371,7 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
         base = memo.get(key)
         if base is None:
             base = memo[key] = _recompute_free(op, st, ctx, unit_numel, memo)
-    fwd, bwd, tp_f, tp_b, (dp_f, dp_b, dp_i, dp_s), states, transient, comm, iter_comm, kept, dropped = base
+    fwd, bwd, tp_f, tp_b, (dp_f, dp_b, dp_i, dp_s, dp_g), states, transient, comm, iter_comm, kept, dropped = base
     recompute, peak = 0.0, 0.0
     lay = st.inputs[0] if st.inputs else st.output
     first_keeps = 0.0 if block_input is None else tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(
@@ -387,7 +393,7 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
     return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
                   dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
                   optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
-                  comm=comm, recompute_peak_bytes=peak, iter_comm=iter_comm, dp_sync_s=dp_s)
+                  comm=comm, recompute_peak_bytes=peak, iter_comm=iter_comm, dp_sync_s=dp_s, dp_iter_fwd_s=dp_g)
 
 
 def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | None, memo: dict | None):
