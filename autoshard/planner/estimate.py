@@ -137,8 +137,8 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)) if d > 1})
     ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
                       precision=default_precision(cluster), recompute=cfg.recompute, seq=graph.seq_len,
-                      fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, zero_impl=cfg.zero_impl, tp_overlap=cfg.tp_comm_overlap,
-                      allocator=cfg.allocator)
+                      fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, zero_impl=cfg.zero_impl,
+                      tp_overlap=cfg.tp_comm_overlap, allocator=cfg.allocator)
     assign = megatron_assignment(graph, mesh, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
                                  zero=cfg.zero)
     stage_layers = _stage_layers(graph, cfg.pp, cfg.virtual_stages)
