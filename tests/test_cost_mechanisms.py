@@ -165,6 +165,61 @@ def test_zero1_reduces_and_gathers_once_per_step_and_zero2_reduces_every_micro_b
 
 
 # -- compute ------------------------------------------------------------------------------------------------
+def _adamw_step_bytes(foreach: bool, numel_each: int = 4096, count: int = 3) -> float:
+    """Bytes the ATen ops of one torch.optim.AdamW step read and write over fp32 parameters, per op: its distinct
+    tensor arguments read once each, the ones its schema mutates written, and its new outputs written."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    total = 0
+
+    def tensors(x):
+        return {(t.data_ptr(), t.numel()): t.numel() * t.element_size()
+                for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.numel() > 1}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal total
+            out = func(*args, **(kwargs or {}))
+            read = tensors((args, kwargs))
+            mutated = [a for a, arg in zip(args, func._schema.arguments, strict=False)
+                       if arg.alias_info is not None and arg.alias_info.is_write]
+            written = {**tensors(mutated), **{k: v for k, v in tensors(out).items() if k not in read}}
+            total += sum(read.values()) + sum(written.values())
+            return out
+
+    params = [torch.nn.Parameter(torch.randn(numel_each)) for _ in range(count)]
+    for q in params:
+        q.grad = torch.randn(numel_each)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+    opt.step()  # creates the moments
+    with Count():
+        opt.step()
+    return total / (numel_each * count)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_optimizer_step_moves_the_bytes_torchs_adamw_passes_read_and_write(foreach):
+    """torch.optim.AdamW (the runtime's optimizer; single-tensor on CPU, foreach on GPU) makes eight passes over
+    parameter, gradient, moments and a temporary: 80 bytes per fp32 parameter, not a fused kernel's 28."""
+    from autoshard.cost_models.memory import BF16_MIXED, FP32, optimizer_step_bytes
+
+    assert _adamw_step_bytes(foreach) == pytest.approx(optimizer_step_bytes(1, FP32), rel=0.02)
+    assert optimizer_step_bytes(1, FP32) == 80
+    assert optimizer_step_bytes(1, FP32, fused=True) == 28  # read p, g, m, v; write p, m, v
+    assert optimizer_step_bytes(1, BF16_MIXED) == 76 and optimizer_step_bytes(1, BF16_MIXED, fused=True) == 30
+
+
+def test_megatrons_engine_steps_with_a_fused_adam_and_the_runtime_with_torchs(llama):
+    cluster = ClusterSpec.parse("1x8xA100-80GB")
+    cfg = dict(dp=8, micro_batch=1, global_batch=8)
+    eager = estimate(llama, cluster, HandConfig(**cfg))[0].prediction.time.optimizer_s
+    fused = estimate(llama, cluster, HandConfig(fused_kernels=True, **cfg))[0].prediction.time.optimizer_s
+    launch = load_gpu("A100-80GB").kernel_launch_us * 1e-6  # 8 passes against one kernel
+    assert (eager - 8 * launch) == pytest.approx((fused - launch) * 76 / 30, rel=1e-6)
+
+
 def test_measured_gemm_grid_is_interpolated_in_log_space_and_clamped():
     table = tuple((m, n, k, float(m * n * k) ** 0.25) for m in (64, 256, 1024) for n in (64, 256, 1024)
                   for k in (64, 256, 1024))

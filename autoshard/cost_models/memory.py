@@ -12,7 +12,7 @@ from autoshard.capture.ir import DTYPE_BYTES, TensorMeta
 __all__ = [
     "Precision", "BF16_MIXED", "FP32", "PRECISIONS", "model_state_bytes", "tensor_bytes",
     "framework_overhead_bytes", "CUDA_CONTEXT_GIB", "NCCL_PER_GROUP_GIB", "optimizer_step_bytes",
-    "ALLOCATOR_FRAGMENTATION", "ALLOCATORS", "loss_buffer_bytes",
+    "ALLOCATOR_FRAGMENTATION", "ALLOCATORS", "loss_buffer_bytes", "OPTIMIZER_PASSES",
 ]
 
 GIB = float(1 << 30)
@@ -107,8 +107,28 @@ def loss_buffer_bytes(logits_numel: float, *, fused: bool = False, act_bytes: in
     return logits_numel * 3 * 4
 
 
-def optimizer_step_bytes(numel: float, precision: Precision) -> float:
-    """HBM traffic of one fused Adam step over `numel` local parameters: read grad, param, master, m, v;
-    write param, master, m, v."""
-    return numel * (precision.grad_bytes + 2 * (precision.param_bytes + precision.master_bytes
-                                                 + precision.optim_bytes))
+# Kernels per optimizer step (per chunk of tensors): torch.optim.AdamW's eight passes, or one fused kernel.
+OPTIMIZER_PASSES = {False: 8, True: 1}
+
+
+def optimizer_step_bytes(numel: float, precision: Precision, *, fused: bool = False) -> float:
+    """HBM traffic of one AdamW step over `numel` local parameters.
+
+    fused (apex / Transformer Engine FusedAdam: Megatron-LM, Megatron-Core, DeepSpeed): one kernel reads the
+    gradient, the 16-bit parameter, the master copy and both moments and writes all but the gradient.
+
+    Otherwise torch.optim.AdamW as it runs by default, which is what autoshard's runtime (runtime/measure.py) and
+    torchtitan step with: `_multi_tensor_adam` on GPUs, `_single_tensor_adam` on CPUs, the same eight passes
+    (torch/optim/adam.py, the non-capturable path): the weight decay's mul_ on the parameter (read, write),
+    lerp_ of the first moment towards the gradient (3), mul_ of the second moment (2), its addcmul_ with the
+    gradient (3, the gradient read once), sqrt of it into a temporary (2), div_ and add_ of the temporary (2 + 2)
+    and addcdiv_ of the parameter (4): 4 accesses of the parameter (its fp32 master copy where there is one;
+    the 16-bit copy is cast again when it is next gathered or used), 2 of the gradient, 3 + 5 of the moments
+    and 6 of the temporary, in the moments' dtype. About 2.5x the fused kernel's bytes (76 against 30 per
+    parameter in bf16 mixed precision)."""
+    if fused:
+        return numel * (precision.grad_bytes + 2 * (precision.param_bytes + precision.master_bytes
+                                                     + precision.optim_bytes))
+    param = precision.master_bytes or precision.param_bytes
+    moment = precision.optim_bytes / 2  # Adam's m and v
+    return numel * (4 * param + 2 * precision.grad_bytes + (3 + 5 + 6) * moment)

@@ -36,8 +36,9 @@ class PlanContext:
     # backward ones each column-parallel linear's weight-gradient GEMM (Megatron-LM's asynchronous
     # tensor-parallel communication); "all": all of them all compute (Megatron-Core --tp-comm-overlap)
     tp_overlap: str = ""
-    # pointwise ops as one fused kernel each (Megatron-LM's fused kernels, torch.compile); False: eager
-    # PyTorch, one kernel per ATen op (the runtime's own execution)
+    # pointwise ops as one fused kernel each (Megatron-LM's fused kernels, torch.compile), and the optimizer
+    # step as one (FusedAdam); False: eager PyTorch, one kernel per ATen op, and torch.optim.AdamW's passes (the
+    # runtime's own execution; cost_models/memory.py optimizer_step_bytes)
     fused_pointwise: bool = False
     # the cross-entropy as one fused kernel each way over 16-bit logits (flash-attn's CrossEntropyLoss,
     # llm-foundry's default); False: eager torch cross_entropy on upcast logits (the runtime's)

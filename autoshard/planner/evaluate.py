@@ -37,6 +37,7 @@ from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
 from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.cost_models.compute import memory_bound_time_s
 from autoshard.cost_models.memory import (
+    OPTIMIZER_PASSES,
     framework_overhead_bytes,
     loss_buffer_bytes,
     optimizer_step_bytes,
@@ -434,7 +435,8 @@ def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: in
     steady_and_fill = max((m + fill) * t, m * t_shared)
     bubble = steady_and_fill - m * t_shared
     sync = max(iteration_sync_s(st, ctx, pipe, m) for st in stages)
-    opt = max(memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision), ctx.gpu)
+    fused, passes = ctx.fused_pointwise, OPTIMIZER_PASSES[ctx.fused_pointwise]
+    opt = max(memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision, fused=fused), ctx.gpu, kernels=passes)
               + st.param_tensors * ctx.gpu.optimizer_us_per_tensor * 1e-6 for st in stages) / share
     compute = m * (stages[slow].fwd + stages[slow].bwd) / share
     breakdown = TimeBreakdown(compute_s=compute, exposed_comm_s=m * t_shared - compute + sync, bubble_s=bubble,

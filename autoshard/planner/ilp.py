@@ -34,6 +34,10 @@ Constraints
                                                                        counts the link they share with
                                                                        Db_k, Df_k; the rows do not)
     (with --tp-comm-overlap P_k enters as P_k/u_k + Et_k, Et_k overlapping F_k + B_k like ZeRO traffic)
+    opt_k = sum_o n_k(o) sum_s optim_state_bytes[o,s]·r x[o,s]         optimizer step: r the seconds per
+                                                                       state byte of torch's AdamW passes
+                                                                       or a fused Adam (`optimizer_s_per_
+                                                                       state_byte`)
     R_k >= trans[o,s] x[o,s]  for o in stage k                         largest gathered buffer  (`_memory`)
     sum_o sum_s (n_k(o)·(state + f·inflight_k·saved) + f·peak)[o,s] x[o,s] + 2f·R_k + f·L_k + other <= cap
                                                                        (`_memory`; L_k: the loss's buffers)
@@ -218,8 +222,9 @@ def optimizer_s_per_state_byte(ctx: PlanContext) -> float:
     """Seconds of the optimizer step per byte of optimizer state (`OpCost.optim_bytes` counts the master
     weights and moments): the step streams the local shard's states through HBM."""
     precision = ctx.precision
-    return optimizer_step_bytes(1.0, precision) / (precision.master_bytes + precision.optim_bytes) / (
-        ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency)
+    step_bytes = optimizer_step_bytes(1.0, precision, fused=ctx.fused_pointwise)
+    hbm = ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency
+    return step_bytes / (precision.master_bytes + precision.optim_bytes) / hbm
 
 
 def _overlap_rows(lp, name: str, comm, compute, *, units: int, slowdown: float, per: float = 1.0):
