@@ -47,6 +47,13 @@ def default_mixtral():
     return MixtralForCausalLM(_small(MixtralConfig, num_local_experts=4, num_experts_per_tok=2))
 
 
+def default_bloom():
+    """BLOOM (ALiBi): its config has no position table, so it states no sequence length."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4))
+
+
 def default_opt():
     from transformers import OPTConfig, OPTForCausalLM
 

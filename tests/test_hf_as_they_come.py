@@ -45,6 +45,16 @@ def test_seq_on_a_factory_whose_inputs_are_not_tokens_is_one_clear_error():
         load_graph("tests.factory_models:tiny_mlp", seq=16)
 
 
+def test_a_decoder_whose_config_states_no_length_asks_for_seq_and_plans_with_it(capsys):
+    args = ["plan", "tests.factory_models:default_bloom", "--cluster", "1x4xcpu", "--global-batch", "8", "--json",
+            "--time-limit", "10"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "states no sequence length" in err and "pass --seq N" in err
+    assert main(args + ["--seq", "32"]) == 0
+    assert json.loads(capsys.readouterr().out)["ops"]
+
+
 def test_planner_never_splits_heads_a_key_value_head_count_does_not_divide():
     from autoshard.api import load_graph
     from autoshard.hardware_profiles import ClusterSpec

@@ -45,9 +45,13 @@ class LoadedModel:
         if spec is None:
             cfg = getattr(self.module, "config", None)
             vocab, seq = getattr(cfg, "vocab_size", None), self.seq_override or _config_seq(cfg)
-            if vocab is None or seq is None:
+            if vocab is None:
                 raise ModelSpecError(f"{self.name}: cannot guess example inputs; make the factory return "
                                      "(model, example_inputs)")
+            if seq is None:  # e.g. BLOOM (ALiBi): no position table, so no length in its config
+                raise ModelSpecError(f"{self.name}: its config states no sequence length (no n_positions, "
+                                     "max_position_embeddings or seq_length); pass seq=N (the tokens per sample) or make "
+                                     "the factory return (model, example_inputs)", params=("seq",))
             return (torch.zeros(batch, seq, dtype=torch.long, device=device),)
         if spec.family == "vit":
             return (torch.zeros(batch, 3, spec.image, spec.image, device=device),)
