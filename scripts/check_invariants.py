@@ -97,6 +97,12 @@ def grid_checks(rows: dict[tuple, dict]) -> dict[str, list]:
     return found
 
 
+# A micro-batch after the first adds its gradients into the ones kept (autograd assigns the first): one kernel per
+# parameter, which can cost more than the optimizer step that more micro-batches amortize (ZeRO-3 over 64 ranks at
+# TP 8: +0.01% per sample from 4 to 16 micro-batches). Real, and small: rises beyond 0.1% are counted.
+MICRO_BATCH_SLACK = 1e-3
+
+
 def pipeline_checks(graphs) -> tuple[int, dict[str, list]]:
     found = {"more micro-batches raise the time per sample": [], "a faster network is slower": []}
     checked = 0
@@ -118,7 +124,7 @@ def pipeline_checks(graphs) -> tuple[int, dict[str, list]]:
                         key = dict(model=name, gpus=nodes * 8, tp=tp, pp=pp, dp=dp, zero=zero, virtual_stages=vp)
                         for net in ("ib-hdr-4x200", "ib-hdr-8x200"):
                             a, b, c = (t[net, p] for p in (4, 8, 16))
-                            if b > a * (1 + 1e-9) or c > b * (1 + 1e-9):
+                            if b > a * (1 + MICRO_BATCH_SLACK) or c > b * (1 + MICRO_BATCH_SLACK):
                                 found["more micro-batches raise the time per sample"].append((key, c / a))
                         for p in (4, 8, 16):
                             ratio = t["ib-hdr-8x200", p] / t["ib-hdr-4x200", p]

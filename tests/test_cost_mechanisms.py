@@ -164,6 +164,30 @@ def test_zero1_reduces_and_gathers_once_per_step_and_zero2_reduces_every_micro_b
     assert by_zero[1].dp_iter_fwd_s == pytest.approx(by_zero[2].dp_iter_fwd_s)
 
 
+def test_gradients_are_added_only_from_the_second_micro_batch_and_only_to_what_the_runtime_keeps(llama):
+    """Autograd assigns a step's first gradient and adds the later ones. ZeRO-0/1 keep the full gradient across
+    micro-batches (m - 1 adds of it), ZeRO-2/3 drop it after each reduce-scatter and add only the 1/dp shard;
+    Megatron's engine adds every micro-batch into its main_grad buffer."""
+    from autoshard.cost_models.compute import memory_bound_time_s
+    from autoshard.planner.opcost import _grad_accumulation_s
+
+    cluster = ClusterSpec.parse("1x8xA100-80GB")
+    op = next(o for o in llama.ops if o.kind.value == "linear" and o.params)
+    numel = sum(p.numel for p in op.params if p.owner)
+    add = lambda n: memory_bound_time_s(3 * n * 2, cluster.gpu, kernels=len(op.params))  # noqa: E731  bf16
+
+    def accumulate(zero, m, fused=False):
+        ctx = PlanContext(mesh=MeshSpec.of(dp=8), cluster=cluster, micro_batch=1, num_microbatches=m,
+                          fused_pointwise=fused)
+        st = next(s for s in strategies_for(op, ctx.mesh, 1) if s.zero == zero and s.split == 1)
+        return _grad_accumulation_s(op, st, ctx)
+
+    assert accumulate(0, 1) == 0 and accumulate(3, 1) == 0
+    assert accumulate(0, 4) == pytest.approx(0.75 * add(numel))
+    assert accumulate(3, 4) == pytest.approx(0.75 * add(numel / 8))
+    assert accumulate(3, 1, fused=True) == pytest.approx(add(numel))
+
+
 # -- compute ------------------------------------------------------------------------------------------------
 def _adamw_step_bytes(foreach: bool, numel_each: int = 4096, count: int = 3) -> float:
     """Bytes the ATen ops of one torch.optim.AdamW step read and write over fp32 parameters, per op: its distinct

@@ -140,10 +140,6 @@ def _compute_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     if ctx.on_dtensors and gpu.dtensor_us_per_op:
         host = gpu.dtensor_us_per_op * 1e-6 * max(1, op.dispatches)
         fwd, bwd = fwd + host, bwd + 2 * host
-    owned = [p for p in op.params if p.owner]
-    if owned:  # autograd accumulates each parameter's gradient: one add per parameter (read twice, write once)
-        local = sum(p.numel for p in owned) / max(1, _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1)
-        bwd += memory_bound_time_s(3 * local * ctx.precision.grad_bytes, gpu, kernels=len(owned))
     if ctx.mesh.degree("dp") > 1 and gpu.fsdp_us_per_module and any(p.owner for p in op.params):
         hooks = gpu.fsdp_us_per_module * 1e-6 / 2  # FSDP2's hooks on the module: half before forward, half in backward
         fwd, bwd = fwd + hooks, bwd + hooks
@@ -284,6 +280,32 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float =
     return ag, ag + rs, 0.0, 0.0, 0.0, pb / s, comm, []
 
 
+def _grad_accumulation_s(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
+    """Seconds per micro-batch (the step's average) of adding a micro-batch's parameter gradients into the ones
+    already there, in place (read both, write one).
+
+    autoshard's runtime (FSDP2 at every ZeRO level, runtime/data_parallel.py) and torchtitan: autograd assigns the
+    first gradient of a step and adds the later ones (AccumulateGrad). ZeRO-0 and -1 keep the full gradient until
+    the last micro-batch's reduction (`set_requires_gradient_sync(False)` before it), so m - 1 adds of it per step;
+    ZeRO-2 and -3 reduce-scatter every micro-batch and drop the full gradient (FSDP2's post_backward sets
+    `unsharded_param.grad = None`, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), so only the 1/dp
+    shard is added to, m - 1 times. Megatron-LM's engine (`fused_pointwise`) adds every micro-batch's gradient
+    into its persistent main_grad buffer (megatron/model/distributed.py, `main_grad.add_` in the gradient hook)."""
+    owned = [p for p in op.params if p.owner]
+    if not owned:
+        return 0.0
+    local = sum(p.numel for p in owned) / max(1, _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1)
+    adds = 1.0
+    if not ctx.fused_pointwise:
+        m = ctx.num_microbatches
+        adds = (m - 1) / m
+        if st.zero >= 2:
+            local /= max(1, ctx.mesh.degree("dp"))
+    if adds <= 0:
+        return 0.0
+    return adds * memory_bound_time_s(3 * local * ctx.precision.grad_bytes, ctx.gpu, kernels=len(owned))
+
+
 def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     """Memory-bound copies around FSDP2's collectives, per micro-batch (forward, backward): every all-gather
     is copied out of its flat output into the parameters (`split_with_sizes_copy`), every reduce-scatter's
@@ -372,6 +394,7 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
         if base is None:
             base = memo[key] = _recompute_free(op, st, ctx, unit_numel, memo)
     fwd, bwd, tp_f, tp_b, (dp_f, dp_b, dp_i, dp_s, dp_g), states, transient, comm, iter_comm, kept, dropped = base
+    bwd += _grad_accumulation_s(op, st, ctx)  # depends on the micro-batch count, which the memo's key leaves out
     recompute, peak = 0.0, 0.0
     lay = st.inputs[0] if st.inputs else st.output
     first_keeps = 0.0 if block_input is None else tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(
