@@ -174,7 +174,9 @@ def test_gradients_are_added_only_from_the_second_micro_batch_and_only_to_what_t
     cluster = ClusterSpec.parse("1x8xA100-80GB")
     op = next(o for o in llama.ops if o.kind.value == "linear" and o.params)
     numel = sum(p.numel for p in op.params if p.owner)
-    add = lambda n: memory_bound_time_s(3 * n * 2, cluster.gpu, kernels=len(op.params))  # noqa: E731  bf16
+
+    def add(numel):  # read both, write one, in bf16
+        return memory_bound_time_s(3 * numel * 2, cluster.gpu, kernels=len(op.params))
 
     def accumulate(zero, m, fused=False):
         ctx = PlanContext(mesh=MeshSpec.of(dp=8), cluster=cluster, micro_batch=1, num_microbatches=m,

@@ -291,19 +291,21 @@ def _grad_accumulation_s(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
     `unsharded_param.grad = None`, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), so only the 1/dp
     shard is added to, m - 1 times. Megatron-LM's engine (`fused_pointwise`) adds every micro-batch's gradient
     into its persistent main_grad buffer (megatron/model/distributed.py, `main_grad.add_` in the gradient hook)."""
-    owned = [p for p in op.params if p.owner]
+    owned = sum(1 for p in op.params if p.owner)
     if not owned:
         return 0.0
-    local = sum(p.numel for p in owned) / max(1, _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1)
-    adds = 1.0
+    local, adds = _owned_local_numel(op, st, ctx), 1.0
     if not ctx.fused_pointwise:
-        m = ctx.num_microbatches
-        adds = (m - 1) / m
+        adds = (ctx.num_microbatches - 1) / ctx.num_microbatches
         if st.zero >= 2:
             local /= max(1, ctx.mesh.degree("dp"))
-    if adds <= 0:
-        return 0.0
-    return adds * memory_bound_time_s(3 * local * ctx.precision.grad_bytes, ctx.gpu, kernels=len(owned))
+    return adds * memory_bound_time_s(3 * local * ctx.precision.grad_bytes, ctx.gpu, kernels=owned)
+
+
+def _owned_local_numel(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
+    """Elements of the parameters `op` owns on one rank before data-parallel sharding (tensor-parallel shard)."""
+    tp = _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1
+    return sum(p.numel for p in op.params if p.owner) / max(1, tp)
 
 
 def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
@@ -314,8 +316,7 @@ def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float
     every backward."""
     if ctx.mesh.degree("dp") == 1 or st.zero < 2:
         return 0.0, 0.0
-    local = sum(p.numel for p in op.params if p.owner) / max(1, _deg(st.params[0].storage, ctx, (OUT, IN))
-                                                            if st.params else 1)
+    local = _owned_local_numel(op, st, ctx)
     gathered = 2 * local * ctx.precision.param_bytes  # read the flat output, write the parameters
     reduced = 2 * local * ctx.precision.grad_bytes
     fwd = memory_bound_time_s(gathered, ctx.gpu) if st.zero == 3 else 0.0
