@@ -41,9 +41,17 @@ class Precision:
     name: str
     act_bytes: int  # floating-point activations
     param_bytes: int  # working copy of the parameters
-    grad_bytes: int
+    grad_bytes: int  # gradients as autograd computes them (the working copy's dtype)
     master_bytes: int  # fp32 master parameters (0 when the working copy is fp32)
     optim_bytes: int  # optimizer states (Adam: m and v in fp32)
+    reduce_bytes: int = 4  # gradients as reduced over dp, accumulated across micro-batches and stepped on
+
+    @property
+    def main_grad_bytes(self) -> int:
+        """A gradient as the fp32 parameter holds it and the optimizer reads it: FSDP2 casts each reduced shard
+        to the sharded parameter's dtype (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
+        `foreach_reduce`); Megatron keeps an fp32 main_grad."""
+        return self.master_bytes or self.grad_bytes
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -51,6 +59,11 @@ class Precision:
 
 
 # Mixed-precision Adam: 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (Rajbhandari et al. 2020, ZeRO §3).
+# Gradients are reduced in fp32 (reduce_bytes 4): what autoshard's runtime runs on GPUs and torchtitan's default,
+# FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (torchtitan `mixed_precision_reduce`,
+# runtime/precision.py): each unit's bf16 gradients are cast to fp32 before the reduce-scatter / all-reduce, the
+# fp32 shard is accumulated into the fp32 sharded parameter's gradient, and AdamW reads it. Megatron-LM does the
+# same for bf16 (its fp32 main_grad buffer: `accumulate_allreduce_grads_in_fp32` is forced on with --bf16).
 BF16_MIXED = Precision(name="bf16-mixed", act_bytes=2, param_bytes=2, grad_bytes=2, master_bytes=4, optim_bytes=8)
 FP32 = Precision(name="fp32", act_bytes=4, param_bytes=4, grad_bytes=4, master_bytes=0, optim_bytes=8)
 PRECISIONS = {p.name: p for p in (BF16_MIXED, FP32)}
@@ -60,12 +73,15 @@ def model_state_bytes(numel: float, precision: Precision, *, zero: int, dp: int)
     """(parameters, gradients, optimizer states incl. master copy) bytes on one GPU for `numel` local params.
 
     ZeRO stage 1 shards the optimizer states over the `dp` ranks, stage 2 the gradients too, stage 3 the
-    parameters too: 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N bytes with mixed-precision Adam (ZeRO §5).
+    parameters too (ZeRO §5), as FSDP2 with a mixed-precision policy holds them (runtime/precision.py): the
+    gradients in the fp32 parameters' dtype (`main_grad_bytes`), and under ZeRO-3 no 16-bit copy between uses
+    (it exists while gathered: the transient buffer). Mixed-precision Adam: 18Ψ, 2Ψ + 16Ψ/N for stages 1 and 2,
+    16Ψ/N for stage 3; the ZeRO paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N count 16-bit gradients.
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
-    p = numel * precision.param_bytes
-    g = numel * precision.grad_bytes
+    p = numel * precision.param_bytes if zero < 3 or not precision.master_bytes else 0.0
+    g = numel * precision.main_grad_bytes
     o = numel * (precision.master_bytes + precision.optim_bytes)
     if zero >= 1:
         o /= dp
@@ -124,11 +140,11 @@ def optimizer_step_bytes(numel: float, precision: Precision, *, fused: bool = Fa
     gradient (3, the gradient read once), sqrt of it into a temporary (2), div_ and add_ of the temporary (2 + 2)
     and addcdiv_ of the parameter (4): 4 accesses of the parameter (its fp32 master copy where there is one;
     the 16-bit copy is cast again when it is next gathered or used), 2 of the gradient, 3 + 5 of the moments
-    and 6 of the temporary, in the moments' dtype. About 2.5x the fused kernel's bytes (76 against 30 per
-    parameter in bf16 mixed precision)."""
+    and 6 of the temporary, in the moments' dtype. About 2.5x the fused kernel's bytes (80 against 32 per
+    parameter in bf16 mixed precision, with the fp32 gradient the fp32 parameter holds)."""
     if fused:
-        return numel * (precision.grad_bytes + 2 * (precision.param_bytes + precision.master_bytes
-                                                     + precision.optim_bytes))
+        return numel * (precision.main_grad_bytes + 2 * (precision.param_bytes + precision.master_bytes
+                                                          + precision.optim_bytes))
     param = precision.master_bytes or precision.param_bytes
     moment = precision.optim_bytes / 2  # Adam's m and v
-    return numel * (4 * param + 2 * precision.grad_bytes + (3 + 5 + 6) * moment)
+    return numel * (4 * param + 2 * precision.main_grad_bytes + (3 + 5 + 6) * moment)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.cost_models.compute import FLASH_BACKWARD_FLOPS_FACTOR, max_attention_efficiency
-from autoshard.cost_models.memory import Precision, tensor_bytes
+from autoshard.cost_models.memory import Precision, model_state_bytes, tensor_bytes
 from autoshard.planner.cache import graph_cache
 from autoshard.planner.opcost import score_shaped
 from autoshard.planner.strategies import PLANNED_KINDS
@@ -115,13 +115,7 @@ def memory_lower_bound_bytes(graph: OpGraph, precision: Precision, *, tp_degree:
                              max_zero: int, micro_batch: int, inflight: float, recompute: str) -> float:
     t = graph_totals(graph)
     local = t.params / (tp_degree * pp)
-    per = precision.state_bytes_per_param
-    if max_zero >= 3:
-        states = local * per / dp
-    elif max_zero == 2:
-        states = local * (precision.param_bytes + (per - precision.param_bytes) / dp)
-    else:
-        states = local * per
+    states = min(sum(model_state_bytes(local, precision, zero=z, dp=dp)) for z in range(min(max_zero, 3) + 1))
     if recompute == "full":
         acts = t.block_input_elems
     elif recompute == "selective" and t.saved_score_elems == 0:

@@ -255,7 +255,7 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float =
     prec, dp = ctx.precision, ctx.mesh.degree("dp")
     if dp == 1:
         return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, [], []
-    pb, gb = local * prec.param_bytes, local * prec.grad_bytes
+    pb, gb = local * prec.param_bytes, local * prec.reduce_bytes  # gradients reduced in fp32 (memory.Precision)
     s = st.split
     share = 1.0 / unit if s == 1 else 1.0
 
@@ -289,17 +289,23 @@ def _grad_accumulation_s(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
     the last micro-batch's reduction (`set_requires_gradient_sync(False)` before it), so m - 1 adds of it per step;
     ZeRO-2 and -3 reduce-scatter every micro-batch and drop the full gradient (FSDP2's post_backward sets
     `unsharded_param.grad = None`, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), so only the 1/dp
-    shard is added to, m - 1 times. Megatron-LM's engine (`fused_pointwise`) adds every micro-batch's gradient
+    shard is added to, m - 1 times. Full gradients are summed in the reduce dtype (FSDP2's
+    `unsharded_accumulated_grad` when it differs from the parameters' compute dtype, _fsdp_param.py), shards in
+    the sharded parameter's (fp32), Megatron's in its fp32 main_grad. Megatron-LM's engine (`fused_pointwise`) adds every micro-batch's gradient
     into its persistent main_grad buffer (megatron/model/distributed.py, `main_grad.add_` in the gradient hook)."""
     owned = sum(1 for p in op.params if p.owner)
     if not owned:
         return 0.0
+    prec = ctx.precision
     local, adds = _owned_local_numel(op, st, ctx), 1.0
+    per_element = prec.grad_bytes + 2 * prec.main_grad_bytes  # Megatron: a 16-bit gradient into main_grad
     if not ctx.fused_pointwise:
         adds = (ctx.num_microbatches - 1) / ctx.num_microbatches
+        per_element = prec.grad_bytes + 2 * prec.reduce_bytes  # into FSDP2's sum, kept in the reduce dtype
         if st.zero >= 2:
             local /= max(1, ctx.mesh.degree("dp"))
-    return adds * memory_bound_time_s(3 * local * ctx.precision.grad_bytes, ctx.gpu, kernels=owned)
+            per_element = 3 * prec.main_grad_bytes  # the reduced shard, cast, into the shard's fp32 gradient
+    return adds * memory_bound_time_s(per_element * local, ctx.gpu, kernels=owned)
 
 
 def _owned_local_numel(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
@@ -318,7 +324,7 @@ def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float
         return 0.0, 0.0
     local = _owned_local_numel(op, st, ctx)
     gathered = 2 * local * ctx.precision.param_bytes  # read the flat output, write the parameters
-    reduced = 2 * local * ctx.precision.grad_bytes
+    reduced = local * (ctx.precision.grad_bytes + ctx.precision.reduce_bytes)  # cast to the reduce dtype
     fwd = memory_bound_time_s(gathered, ctx.gpu) if st.zero == 3 else 0.0
     return fwd, fwd + memory_bound_time_s(reduced, ctx.gpu)
 

@@ -9,7 +9,8 @@
        given example inputs, the choice between running the model's own code on local shards and SPMD mode
        (local_shards.py; it runs two forwards, so before FSDP);
     5. activation recomputation of every repeated block, full or selective (recompute.py);
-    6. sharded data parallel per op: FSDP2 in SPMD mode on the dp mesh dim (data_parallel.py).
+    6. sharded data parallel per op: FSDP2 in SPMD mode on the dp mesh dim (data_parallel.py), with the
+       plan's precision (precision.py: bf16 mixed on GPUs, on a dp dim of one rank when the plan has none).
 
 A plan without tensor-parallel axes skips steps 2 and 3 and runs on plain tensors: its operator splitting
 (4) rewrites the Linears and FSDP2 (6) shards them on the dp mesh, no DTensor dispatch per op in between.
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.capture.ir import OpGraph
+from autoshard.cost_models.memory import Precision
 from autoshard.planner.plan import Plan
 from autoshard.runtime.data_parallel import (
     apply_operator_splitting,
@@ -32,8 +34,10 @@ from autoshard.runtime.data_parallel import (
 )
 from autoshard.runtime.dtensor_ext import register_dtensor_rules
 from autoshard.runtime.local_shards import choose_local_shards
+from autoshard.runtime.mesh import build_device_mesh
 from autoshard.runtime.norms import statistics_parallel_forward
 from autoshard.runtime.parallel_module import ParallelModule, RuntimeState, make_parallel
+from autoshard.runtime.precision import compute_dtype, precision_for_device
 from autoshard.runtime.recompute import apply_recompute
 from autoshard.runtime.specs import ModuleSpec, module_specs
 from autoshard.runtime.tensor_parallel import ModuleRuntime, distribute_parameters, install_module_runtimes
@@ -44,24 +48,28 @@ log = logging.getLogger(__name__)
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph | None = None,
-               example_inputs: tuple | None = None) -> ParallelModule:
+               example_inputs: tuple | None = None, precision: Precision | None = None) -> ParallelModule:
     """Parallelize `model` in place as `plan` says, on `mesh` (from `build_device_mesh(plan.mesh)`).
 
     The plan names each op's producers, so it is all the runtime needs; `graph`, the `OpGraph` the plan was made
     from, is optional: when given, the plan's fingerprint is checked against it. `example_inputs` (one batch
     of this rank's inputs, any size) let a tensor-parallel plan run the model's own code on local shards
-    when that gives the same outputs (local_shards.py); without them every op runs on DTensors. Call on
+    when that gives the same outputs (local_shards.py); without them every op runs on DTensors. `precision`:
+    what the cost model priced, by default bf16 mixed precision on GPUs and fp32 on CPUs (precision.py). Call on
     every rank.
     """
+    precision = precision or precision_for_device(mesh.device_type)
     register_dtensor_rules()
     specs = module_specs(plan, graph, model)
     if not plan.mesh.tp_axes:  # data parallel and ZeRO only: plain tensors, as torchtitan runs FSDP2
         model = make_parallel(model, RuntimeState(plan=plan, mesh=mesh, spmd=False))  # 1
         apply_operator_splitting(model, specs, None, mesh)  # 4
         apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
-        apply_plain_data_parallel(model, specs, mesh)  # 6
+        apply_plain_data_parallel(model, specs, mesh, precision=precision)  # 6
         log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
         return model
+    if compute_dtype(precision) is not None and "dp" not in mesh.mesh_dim_names:  # FSDP2 casts the parameters:
+        mesh = build_device_mesh(plan.mesh, device_type=mesh.device_type, unit_dp=True)  # give it a dp dim
     state = RuntimeState(plan=plan, mesh=mesh)
     model = make_parallel(model, state)  # 1
     distribute_parameters(model, specs, mesh)  # 2: storage placements ...
@@ -71,7 +79,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     if example_inputs is not None:  # 4b: the model's own code on local shards if the plan and the code allow
         choose_local_shards(model, state, specs, example_inputs)
     apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
-    apply_sharded_data_parallel(model, specs, mesh)  # 6
+    apply_sharded_data_parallel(model, specs, mesh, precision=precision)  # 6
     log.info("applied plan %s on mesh %s: %d module ops", plan.model, plan.mesh, len(specs))
     return model
 

@@ -45,8 +45,10 @@ from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from autoshard.cost_models.memory import FP32, Precision
 from autoshard.errors import ConfigurationError
 from autoshard.planner.layouts import IN
+from autoshard.runtime.precision import fsdp_policy
 from autoshard.runtime.specs import ModuleSpec, param_owners
 from autoshard.runtime.split import SplitLinear, split_linear
 from autoshard.runtime.tensor_parallel import ModuleRuntime
@@ -184,20 +186,31 @@ def set_microbatch(model: nn.Module, *, last: bool) -> None:
             module.set_reshard_after_backward(last or zero == 3, recurse=False)
 
 
-def _dims(zero: int) -> DataParallelMeshDims:
-    return DataParallelMeshDims(shard="dp") if zero > 0 else DataParallelMeshDims(replicate="dp")
+def _dims(zero: int, unit: bool = False) -> DataParallelMeshDims:
+    """ZeRO-0 replicates over dp, except on a dp dim of one rank (`unit`), where FSDP2 is there only to cast the
+    parameters (precision.py): sharded over one rank, it issues no collective at all."""
+    return DataParallelMeshDims(shard="dp") if zero > 0 or unit else DataParallelMeshDims(replicate="dp")
 
 
-def apply_sharded_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> None:
-    """fully_shard every planned module per its zero level, then the root (see the module docstring)."""
+def _unit_dp(mesh: DeviceMesh) -> bool:
+    return mesh.size(mesh.mesh_dim_names.index("dp")) == 1
+
+
+def apply_sharded_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, *,
+                                precision: Precision = FP32) -> None:
+    """fully_shard every planned module per its zero level, then the root (see the module docstring), each with
+    the precision's mixed-precision policy (precision.py). Without a dp axis the caller autocasts instead."""
     if "dp" not in mesh.mesh_dim_names:
         _reduce_grads_to_param_placement(model)
         return
+    mp, unit = fsdp_policy(precision), _unit_dp(mesh)
     for modules, zero in _groups(model, specs):
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, dp_mesh_dims=_dims(zero),
-                    reshard_after_forward=zero == 3, shard_placement_fn=_dp_shard_dim if zero > 0 else None)
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, dp_mesh_dims=_dims(zero, unit),
+                    reshard_after_forward=zero == 3, mp_policy=mp,
+                    shard_placement_fn=_dp_shard_dim if zero > 0 or unit else None)
         _tag(modules, zero)
-    fully_shard(model, mesh=mesh, dp_mesh_dims=_dims(0), reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=_dims(0, unit), reshard_after_forward=False, mp_policy=mp,
+                shard_placement_fn=_dp_shard_dim if unit else None)
     _tag([model], 0)
     for module in model.modules():  # gradients are exact global sums already (parallel_module._to_local)
         if isinstance(module, FSDPModule):
@@ -217,7 +230,8 @@ def _reduce_grads_to_param_placement(model: nn.Module) -> None:
             param.register_post_accumulate_grad_hook(_to_param_placement)
 
 
-def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> None:
+def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, *,
+                              precision: Precision = FP32) -> None:
     """Data parallelism on plain tensors, for plans without tensor-parallel axes (torchtitan's FSDP2 usage):
     the same groups and zero levels as `apply_sharded_data_parallel`, each `fully_shard` on the 1-D dp mesh
     (ZeRO 1-3) or on the dp ranks as HSDP with a one-rank shard dim (ZeRO 0: replicated, gradients
@@ -229,7 +243,8 @@ def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], me
     root, as torchtitan leaves them: FSDP2 gathers the root's parameters once per step and keeps them until
     backward, which is ZeRO-2's memory (parameters whole from forward to backward) in one collective instead
     of one per op. Only when every parameter belongs to a planned op: otherwise the root holds replicated
-    leftovers (ZeRO-0) and those ops keep units of their own."""
+    leftovers (ZeRO-0) and those ops keep units of their own. Every unit gets the precision's mixed-precision
+    policy (precision.py)."""
     from autoshard.runtime.mesh import replicate_mesh
 
     planned = {id(p) for path in specs for p in model.get_submodule(path).parameters()}
@@ -237,9 +252,11 @@ def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], me
     if not leftovers:
         specs = {path: spec for path, spec in specs.items()
                  if not (spec.zero == 2 and spec.split == 1 and _BLOCK.match(path) is None)}
+    mp, unit = fsdp_policy(precision), _unit_dp(mesh)
     for modules, zero in _groups(model, specs):
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=zero == 3,
-                    mesh=mesh if zero > 0 else replicate_mesh(mesh))
+                    mesh=mesh if zero > 0 or unit else replicate_mesh(mesh), mp_policy=mp)
         _tag(modules, zero)
-    fully_shard(model, mesh=replicate_mesh(mesh) if leftovers else mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=replicate_mesh(mesh) if leftovers and not unit else mesh, reshard_after_forward=False,
+                mp_policy=mp)
     _tag([model], 0 if leftovers else 2)

@@ -81,8 +81,10 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu") -> DeviceMesh:
-    """The `DeviceMesh` of `spec` over every rank of the default process group."""
+def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu", unit_dp: bool = False) -> DeviceMesh:
+    """The `DeviceMesh` of `spec` over every rank of the default process group. `unit_dp`: with a data-parallel
+    dim of one rank in front when `spec` has none, so that FSDP2 can wrap the modules to cast their parameters
+    (mixed precision, runtime/precision.py); it issues no collective on a one-rank group."""
     if spec.degree("pp") > 1:
         raise RuntimeSetupError(f"mesh {spec} has pipeline degree {spec.degree('pp')}; the runtime applies "
                                 "plans without pipeline parallelism only (pp=1) for now")
@@ -96,6 +98,8 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu") -> DeviceMesh
                                 f"launch {size} ranks (torchrun --nproc-per-node {size}) or re-plan for {world}")
     if not names:  # a one-rank plan with no axes at all
         names, shape = ("dp",), (1,)
+    elif unit_dp and "dp" not in names:
+        names, shape = ("dp", *names), (1, *shape)
     key = (device_type, names, shape)
     cached = _MESHES.get(key)
     if cached is not None and cached[1] is dist.group.WORLD:

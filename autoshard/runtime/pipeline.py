@@ -49,12 +49,17 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autoshard.cost_models.memory import FP32, Precision
 from autoshard.errors import ConfigurationError, PlanFileError, RuntimeSetupError
 from autoshard.planner.contract import schedule_blocker
 from autoshard.planner.layouts import SEQ, MeshSpec
 from autoshard.planner.plan import Plan
 from autoshard.runtime.apply import _statistics_parallel_norms, materializes_scores
-from autoshard.runtime.data_parallel import apply_operator_splitting, apply_sharded_data_parallel
+from autoshard.runtime.data_parallel import (
+    apply_operator_splitting,
+    apply_plain_data_parallel,
+    apply_sharded_data_parallel,
+)
 from autoshard.runtime.dtensor_ext import SPMDMode, register_dtensor_rules
 from autoshard.runtime.mesh import build_device_mesh
 from autoshard.runtime.parallel_module import ParallelModule, RuntimeState
@@ -67,6 +72,7 @@ from autoshard.runtime.pipeline_split import (
     untie_across_chunks,
 )
 from autoshard.runtime.pipeline_train import PipelineState, TiedSync, train_step
+from autoshard.runtime.precision import compute_dtype, precision_for_device
 from autoshard.runtime.recompute import apply_recompute
 from autoshard.runtime.specs import ModuleSpec, module_specs
 from autoshard.runtime.tensor_parallel import distribute_parameters, install_module_runtimes, param_layouts
@@ -92,13 +98,15 @@ def uses_pipeline(plan: Plan) -> bool:
     return plan.mesh.degree("pp") > 1 or pipe.degree * pipe.virtual_stages > 1 or pipe.layered
 
 
-def build_pipeline_mesh(plan: Plan, *, device_type: str = "cpu") -> DeviceMesh:
-    """The mesh ("pp", <the plan's other axes>) over every rank, pp outermost (degree 1 without a pp axis)."""
+def build_pipeline_mesh(plan: Plan, *, device_type: str = "cpu", unit_dp: bool = False) -> DeviceMesh:
+    """The mesh ("pp", <the plan's other axes>) over every rank, pp outermost (degree 1 without a pp axis);
+    `unit_dp` as in `build_device_mesh`: a dp dim of one rank after pp when the plan has none."""
     spec, pipe = plan.mesh, plan.pipeline
     if spec.degree("pp") != pipe.degree:
         raise PlanFileError(f"the plan's mesh has pp={spec.degree('pp')} but its pipeline degree is "
                             f"{pipe.degree}; re-plan")
-    names = ("pp", *spec.spmd_axes)
+    axes = spec.spmd_axes
+    names = ("pp", *(("dp",) if unit_dp and "dp" not in axes else ()), *axes)
     shape = tuple(spec.degree(a) for a in names)
     world = dist.get_world_size()
     if math.prod(shape) != world:
@@ -113,7 +121,7 @@ def build_pipeline_mesh(plan: Plan, *, device_type: str = "cpu") -> DeviceMesh:
     return mesh
 
 
-def _stage_mesh(full: DeviceMesh, plan: Plan, device_type: str) -> DeviceMesh | None:
+def _stage_mesh(full: DeviceMesh, plan: Plan, device_type: str, unit_dp: bool = False) -> DeviceMesh | None:
     """The sub-mesh one stage computes on; None when it is a single rank (plain tensors, no DTensor).
 
     One object per value in a process (see mesh.py's `_MESHES`): with pipeline degree 1 it is mesh.py's own
@@ -123,13 +131,14 @@ def _stage_mesh(full: DeviceMesh, plan: Plan, device_type: str) -> DeviceMesh | 
         return None
     if full.size(0) == 1:
         return build_device_mesh(MeshSpec(axes=tuple((a, d) for a, d in plan.mesh.axes if a != "pp")),
-                                 device_type=device_type)
+                                 device_type=device_type, unit_dp=unit_dp)
     if id(full) not in _STAGE_MESHES:
         _STAGE_MESHES[id(full)] = full[names[0]] if len(names) == 1 else full[names]
     return _STAGE_MESHES[id(full)]
 
 
-def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, plan: Plan) -> None:
+def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, plan: Plan, *,
+                        precision: Precision = FP32) -> None:
     """Steps 2-6 of `apply_plan` on one pipeline chunk, with the chunk as the root (its FSDP root too).
 
     `specs` are the chunk's own (paths inside the chunk equal the model's, see pipeline_split.py)."""
@@ -138,7 +147,7 @@ def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: De
     _statistics_parallel_norms(specs, runtimes)
     apply_operator_splitting(stage, specs, runtimes, mesh)
     apply_recompute(stage, plan, scores=materializes_scores(plan))
-    apply_sharded_data_parallel(stage, specs, mesh)
+    apply_sharded_data_parallel(stage, specs, mesh, precision=precision)
 
 
 def _gather_once_per_step(chunk: nn.Module) -> None:
@@ -305,19 +314,19 @@ def _chunk_shapes(chunks: list[PipelineChunk], example: torch.Tensor, micro_batc
     return out
 
 
-def _chunk_io(shapes: list[tuple], cut_shards: list[int]) -> list[tuple]:
+def _chunk_io(shapes: list[tuple], cut_shards: list[int], *, dtype: torch.dtype | None = None) -> list[tuple]:
     """(input, output) meta tensors of every chunk as the boundary hands them over: the sequence (dim 1)
-    divided by `cut_shards[c]` across cut c."""
+    divided by `cut_shards[c]` across cut c; floating tensors in `dtype` when given (the compute dtype)."""
     io = []
     last = len(shapes) - 1
     for c, (x, y) in enumerate(shapes):
-        x_in = _meta(x, grad=c > 0, seq_shards=cut_shards[c - 1] if c > 0 else 1)
-        y_out = _meta(y, grad=True, seq_shards=cut_shards[c] if c < last else 1)
+        x_in = _meta(x, grad=c > 0, seq_shards=cut_shards[c - 1] if c > 0 else 1, dtype=dtype)
+        y_out = _meta(y, grad=True, seq_shards=cut_shards[c] if c < last else 1, dtype=dtype)
         io.append((x_in, y_out))
     return io
 
 
-def _meta(x: torch.Tensor, *, grad: bool, seq_shards: int = 1) -> torch.Tensor:
+def _meta(x: torch.Tensor, *, grad: bool, seq_shards: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
     shape = list(x.shape)
     if seq_shards > 1:
         if len(shape) < 2 or shape[1] % seq_shards:
@@ -325,7 +334,8 @@ def _meta(x: torch.Tensor, *, grad: bool, seq_shards: int = 1) -> torch.Tensor:
                                      f"stages split {seq_shards} ways along the sequence, which does not divide; "
                                      "re-plan with a sequence length divisible by the tensor-parallel degree")
         shape[1] //= seq_shards
-    return torch.empty(shape, dtype=x.dtype, device="meta", requires_grad=grad and x.dtype.is_floating_point)
+    dtype = dtype if dtype is not None and x.dtype.is_floating_point else x.dtype
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad and x.dtype.is_floating_point)
 
 
 def _chunk_specs(specs: dict[str, ModuleSpec], chunk: PipelineChunk) -> dict[str, ModuleSpec]:
@@ -334,12 +344,14 @@ def _chunk_specs(specs: dict[str, ModuleSpec], chunk: PipelineChunk) -> dict[str
 
 
 def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None = None, example_inputs: tuple,
-                        loss_fn: Callable | None, device_type: str = "cpu") -> PipelinedModule:
+                        loss_fn: Callable | None, device_type: str = "cpu",
+                        precision: Precision | None = None) -> PipelinedModule:
     """Build this rank's stages of `model` as `plan` says and the schedule that runs them (module docstring).
 
     `example_inputs`: one input tensor of any batch size (its other dims fix the stages' static shapes);
     `loss_fn(model_output, target) -> scalar` runs on the last stage. Call on every rank. Returns `model`
-    itself, pruned to this rank's chunks, as a `PipelinedModule`."""
+    itself, pruned to this rank's chunks, as a `PipelinedModule`. `precision` as in `apply_plan`: stages
+    exchange floating tensors in its compute dtype."""
     if loss_fn is None:
         raise ConfigurationError("a pipelined plan computes the loss on the last stage: pass "
                                  "autoparallel(..., loss_fn=fn) with fn(model_output, target) -> scalar")
@@ -351,27 +363,33 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
     seq_axes = cut_sequence_axes(plan, stage_layers)
     specs = module_specs(plan, graph, model)  # on the whole model: tied parameters still tied
     register_dtensor_rules()
-    full = build_pipeline_mesh(plan, device_type=device_type)  # 1
+    precision = precision or precision_for_device(device_type)
+    unit_dp = compute_dtype(precision) is not None  # FSDP2 casts the parameters, on one rank if need be
+    full = build_pipeline_mesh(plan, device_type=device_type, unit_dp=unit_dp)  # 1
     degree, pp_rank = plan.pipeline.degree, full.get_local_rank("pp")
     local = [c for c in chunks if c.index % degree == pp_rank]  # 2
     shapes = _chunk_shapes(chunks, example, plan.micro_batch)
     send_axes = cut_send_axes(plan, seq_axes, [tuple(y.shape) for _, y in shapes[:-1]])
-    io = _chunk_io(shapes, [math.prod(plan.mesh.degree(a) for a in axes) for axes in send_axes])
+    io = _chunk_io(shapes, [math.prod(plan.mesh.degree(a) for a in axes) for axes in send_axes],
+                   dtype=compute_dtype(precision))
     tied = untie_across_chunks(chunks, {c.index for c in local})
-    mesh = _stage_mesh(full, plan, device_type)
+    mesh = _stage_mesh(full, plan, device_type, unit_dp)
     _check_tied_layouts(tied, specs, chunks, mesh)
     prune_model(model, chunks[0].family, local)
     dp = full.size(full.mesh_dim_names.index("dp")) if "dp" in full.mesh_dim_names else 1
     for chunk in local:  # 3
+        chunk.send_dtype = compute_dtype(precision)
         if mesh is not None:
-            apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh, plan)
+            apply_plan_to_stage(chunk, _chunk_specs(specs, chunk), mesh, plan, precision=precision)
             c = chunk.index
             chunk.boundary = _SPMDBoundary(mesh, grad_scale=1.0 / dp if chunk.is_last else 1.0,
                                            seq_in=(seq_axes[c - 1] or ()) if c > 0 else (),
                                            seq_out=send_axes[c] if c < len(send_axes) else (),
                                            seq_recv=send_axes[c - 1] if c > 0 else ())
-        else:  # a one-rank stage: plain tensors, only recomputation to apply
+        else:  # a one-rank stage: plain tensors, recomputation, and FSDP2 on one rank to cast the parameters
             apply_recompute(chunk, plan, scores=materializes_scores(plan))
+            if unit_dp:
+                apply_plain_data_parallel(chunk, _chunk_specs(specs, chunk), full["dp"], precision=precision)
         if name == "looped-bfs":
             _gather_once_per_step(chunk)
     stages = _stages(local, io, full, device_type)  # 4

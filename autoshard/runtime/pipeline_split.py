@@ -174,6 +174,7 @@ class PipelineChunk(nn.Module):
     (plain local tensors in and out of a stage that computes on DTensors)."""
 
     boundary: Callable[[PipelineChunk, torch.Tensor], torch.Tensor] | None = None
+    send_dtype: torch.dtype | None = None  # floating outputs handed to the next stage in this dtype (precision.py)
 
     def __init__(self, model: nn.Module, family: ChunkFamily, index: int, num_chunks: int,
                  layers: tuple[int, int]) -> None:
@@ -209,7 +210,10 @@ class PipelineChunk(nn.Module):
         return f.head(self, h) if self.is_last else h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run(x) if self.boundary is None else self.boundary(self, x)
+        y = self.run(x) if self.boundary is None else self.boundary(self, x)
+        if self.send_dtype is not None and y.is_floating_point() and y.dtype != self.send_dtype:
+            y = y.to(self.send_dtype)  # autocast leaves some outputs in fp32; the stages exchange one dtype
+        return y
 
 
 class _ChunkDone(Exception):  # noqa: N818 - control flow, not an error: the chunk's last block has run
