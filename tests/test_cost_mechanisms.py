@@ -167,29 +167,33 @@ def test_zero1_reduces_and_gathers_once_per_step_and_zero2_reduces_every_micro_b
 def test_gradients_are_added_only_from_the_second_micro_batch_and_only_to_what_the_runtime_keeps(llama):
     """Autograd assigns a step's first gradient and adds the later ones. ZeRO-0/1 keep the full gradient across
     micro-batches (m - 1 adds of it), ZeRO-2/3 drop it after each reduce-scatter and add only the 1/dp shard;
-    Megatron's engine adds every micro-batch into its main_grad buffer. Sums are fp32 under bf16 mixed precision
-    (FSDP2's reduce dtype, Megatron's main_grad): a bf16 gradient into an fp32 sum, an fp32 shard into an fp32
-    shard."""
+    Megatron's engine adds every micro-batch into its main_grad buffer, except a Linear's weight, whose
+    weight-gradient GEMM accumulates into it (gradient accumulation fusion). Sums are fp32 under bf16 mixed
+    precision (FSDP2's reduce dtype, Megatron's main_grad): a bf16 gradient into an fp32 sum, an fp32 shard into
+    an fp32 shard."""
     from autoshard.cost_models.compute import memory_bound_time_s
     from autoshard.planner.opcost import _grad_accumulation_s
 
     cluster = ClusterSpec.parse("1x8xA100-80GB")
-    op = next(o for o in llama.ops if o.kind.value == "linear" and o.params)
-    numel = sum(p.numel for p in op.params if p.owner)
+    linear = next(o for o in llama.ops if o.kind.value == "linear" and o.params)
+    norm = next(o for o in llama.ops if o.kind.value == "norm" and o.params)
 
-    def add(numel, new=2):  # read the fp32 sum and the new gradient (bf16, or an fp32 shard), write the sum
+    def add(op, numel, new=2):  # read the fp32 sum and the new gradient (bf16, or an fp32 shard), write the sum
         return memory_bound_time_s(numel * (new + 4 + 4), cluster.gpu, kernels=len(op.params))
 
-    def accumulate(zero, m, fused=False):
+    def accumulate(op, zero, m, fused=False):
         ctx = PlanContext(mesh=MeshSpec.of(dp=8), cluster=cluster, micro_batch=1, num_microbatches=m,
                           fused_pointwise=fused)
         st = next(s for s in strategies_for(op, ctx.mesh, 1) if s.zero == zero and s.split == 1)
         return _grad_accumulation_s(op, st, ctx)
 
-    assert accumulate(0, 1) == 0 and accumulate(3, 1) == 0
-    assert accumulate(0, 4) == pytest.approx(0.75 * add(numel))
-    assert accumulate(3, 4) == pytest.approx(0.75 * add(numel / 8, new=4))
-    assert accumulate(3, 1, fused=True) == pytest.approx(add(numel))
+    numel = sum(p.numel for p in linear.params if p.owner)
+    assert accumulate(linear, 0, 1) == 0 and accumulate(linear, 3, 1) == 0
+    assert accumulate(linear, 0, 4) == pytest.approx(0.75 * add(linear, numel))
+    assert accumulate(linear, 3, 4) == pytest.approx(0.75 * add(linear, numel / 8, new=4))
+    assert accumulate(linear, 3, 1, fused=True) == 0  # Llama's Linears have no bias: nothing left to add
+    norm_numel = sum(p.numel for p in norm.params if p.owner)
+    assert accumulate(norm, 3, 1, fused=True) == pytest.approx(add(norm, norm_numel))
 
 
 # -- compute ------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from autoshard.capture.ir import OpGraph
 from autoshard.errors import ConfigurationError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import projection_head_slices
+from autoshard.planner.contract import projection_head_slices, schedule_blocker
 from autoshard.planner.evaluate import evaluate, inflight_microbatches
 from autoshard.planner.explain import batch_label
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
@@ -130,8 +130,9 @@ def _megatron(graph, cluster, global_batch, cap, *, pipelines: bool) -> _Best:
             for b in _micro_batches(global_batch // dp):
                 m = global_batch // (dp * b)
                 for v in ((1, 2, 4) if pp > 1 else (1,)):
-                    if pp > 1 and graph.num_layers < pp * v:
-                        continue
+                    if pp > 1 and (graph.num_layers < pp * v or schedule_blocker(
+                            "interleaved-1f1b" if v > 1 else "1f1b", pp, m) is not None):
+                        continue  # as the planner: only what torch.distributed.pipelining runs
                     for rc in _recomputes(graph):
                         configs.append((tp, pp, dp, b, m, v, rc))
     scored = []

@@ -291,13 +291,20 @@ def _grad_accumulation_s(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
     `unsharded_param.grad = None`, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), so only the 1/dp
     shard is added to, m - 1 times. Full gradients are summed in the reduce dtype (FSDP2's
     `unsharded_accumulated_grad` when it differs from the parameters' compute dtype, _fsdp_param.py), shards in
-    the sharded parameter's (fp32), Megatron's in its fp32 main_grad. Megatron-LM's engine (`fused_pointwise`) adds every micro-batch's gradient
-    into its persistent main_grad buffer (megatron/model/distributed.py, `main_grad.add_` in the gradient hook)."""
-    owned = sum(1 for p in op.params if p.owner)
-    if not owned:
+    the sharded parameter's (fp32).
+
+    Megatron-LM's engine (`fused_pointwise`) adds every micro-batch's gradient into its persistent fp32 main_grad
+    buffer (`main_grad.add_` in the gradient hook, megatron/core/distributed), except a Linear's weight: with
+    gradient accumulation fusion, on by default (`--no-gradient-accumulation-fusion` turns it off), its
+    weight-gradient GEMM accumulates into main_grad itself (`fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`
+    in LinearWithGradAccumulationAndAsyncCommunication, megatron/core/tensor_parallel/layers.py)."""
+    fused_wgrad = ctx.fused_pointwise and op.kind == OpKind.LINEAR
+    added = [p for p in op.params if p.owner and not (fused_wgrad and len(p.shape) >= 2)]
+    if not added:
         return 0.0
     prec = ctx.precision
-    local, adds = _owned_local_numel(op, st, ctx), 1.0
+    tp = _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1
+    local, adds, owned = sum(p.numel for p in added) / max(1, tp), 1.0, len(added)
     per_element = prec.grad_bytes + 2 * prec.main_grad_bytes  # Megatron: a 16-bit gradient into main_grad
     if not ctx.fused_pointwise:
         adds = (ctx.num_microbatches - 1) / ctx.num_microbatches
