@@ -28,7 +28,8 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
                     sequence_parallel: bool = False, virtual_stages: int = 1, schedule: str | None = None,
                     zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False,
                     zero_impl: str = "fsdp2",
-                    tp_comm_overlap: str | bool = "", allocator: str = "expandable", check_memory: bool = True):
+                    tp_comm_overlap: str | bool = "", allocator: str = "expandable", precision: str | None = None,
+                    check_memory: bool = True):
     """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
 
     `attention` for zoo and spec models: "flash" (causal FlashAttention-2, what PyTorch SDPA, Megatron-Core,
@@ -46,12 +47,14 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     tensor-parallel communication) or "all" / True (Megatron-Core --tp-comm-overlap).
     `allocator`: PyTorch's CUDA allocator mode, "expandable" (expandable_segments:True, as torchtitan and
     autoshard's runtime set it) or "caching" (the default; about 15% of per-step memory lost to fragmentation).
+    `precision`: another engine's (`cost_models.memory.PRECISIONS`, e.g. "bf16-mixed-16bit-grads": DeepSpeed's
+    and Megatron's fp16 engines hold and reduce 16-bit gradients); default: what autoshard's runtime runs.
     """
     attention = resolve_attention(model, attention)
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
               recompute=recompute, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
               schedule=schedule, zero=zero, fused_kernels=fused_kernels, fused_loss=fused_loss,
-              zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator)
+              zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision)
     return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
 
@@ -70,7 +73,7 @@ def capture_ref(ref, *, seq: int | None = None, attn: str | None = None):
 
 def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
               virtual_stages, schedule, zero, attn, check_memory, fused_kernels, fused_loss, zero_impl,
-              tp_comm_overlap, allocator):
+              tp_comm_overlap, allocator, precision=None):
     cluster = resolve_cluster(cluster)
     if dp is None:
         if cluster.num_gpus % (tp * pp):
@@ -79,7 +82,7 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
     cfg = HandConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
                      sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero,
                      fused_kernels=fused_kernels, fused_loss=fused_loss, zero_impl=zero_impl,
-                     tp_comm_overlap=tp_comm_overlap, allocator=allocator)
+                     tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision)
     graph = capture_ref(model, seq=seq, attn=attn)
     plan, _ = estimate(graph, cluster, cfg)
     need = plan.prediction.memory.total_bytes

@@ -185,6 +185,11 @@ def time_rows(ids: tuple[str, ...] = (), path: Path = RUNS, as_run: bool = True)
     return out
 
 
+# The memory rows come from DeepSpeed (ZeRO) and Megatron-LM's fp16 engine (Korthikanti et al.), which hold and
+# reduce 16-bit gradients, where autoshard's runtime keeps them in fp32 (cost_models/memory.py)
+MEMORY_ROW_PRECISION = "bf16-mixed-16bit-grads"
+
+
 def _memory_prediction(r: dict) -> float:
     """GiB (or GB for ZeRO rows) of the row's metric, predicted."""
     from autoshard.api import estimate_config
@@ -192,7 +197,7 @@ def _memory_prediction(r: dict) -> float:
     if r["id"].startswith("zero20"):
         stage = int(r["id"][-1])
         plan, _ = estimate_config("gpt-7.5b", "8x8xA100-80GB", dp=64, global_batch=64, zero=stage,
-                                  check_memory=False)
+                                  precision=MEMORY_ROW_PRECISION, check_memory=False)
         mem = plan.prediction.memory
         return (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) / 1e9 * (7.5 / 7.47)
     spec = (f"gpt:layers={r['layers']},hidden={r['hidden']},heads={r['heads']},seq={r['seq']},"
@@ -205,7 +210,7 @@ def _memory_prediction(r: dict) -> float:
     plan, cluster = estimate_config(
         spec, f"{max(1, tp * pp * dp // 8)}x{min(8, tp * pp * dp)}xA100-80GB", tp=tp, pp=pp, dp=dp,
         micro_batch=mbs, global_batch=gbs, recompute=rc, sequence_parallel=r["sequence_parallel"] == "yes",
-        virtual_stages=interleave, check_memory=False)
+        virtual_stages=interleave, precision=MEMORY_ROW_PRECISION, check_memory=False)
     mem = plan.prediction.memory
     if r["metric"].startswith("params_plus_optimizer"):
         return (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) / 2**30

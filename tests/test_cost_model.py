@@ -15,7 +15,7 @@ from autoshard.cost_models.comm import (
     step_overhead_s,
 )
 from autoshard.cost_models.compute import gemm_time_s
-from autoshard.cost_models.memory import BF16_MIXED, model_state_bytes
+from autoshard.cost_models.memory import BF16_MIXED, BF16_MIXED_16BIT_GRADS, model_state_bytes
 from autoshard.hardware_profiles import ClusterSpec, load_gpu
 from autoshard.models import load_model
 from autoshard.planner.context import PlanContext
@@ -103,8 +103,17 @@ def test_group_placement_of_strided_and_contiguous_axes():
 # -- memory (REFERENCES.md §4) ---------------------------------------------------------------------------
 @pytest.mark.parametrize("zero,gigabytes", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_model_states_match_the_zero_paper_for_7_5b_on_64_ranks(zero, gigabytes):
-    p, g, o = model_state_bytes(7.5e9, BF16_MIXED, zero=zero, dp=64)
+    """With 16-bit gradients, as DeepSpeed holds them, the ZeRO paper's figures."""
+    p, g, o = model_state_bytes(7.5e9, BF16_MIXED_16BIT_GRADS, zero=zero, dp=64)
     assert (p + g + o) / 1e9 == pytest.approx(gigabytes, abs=0.06)
+
+
+@pytest.mark.parametrize("zero,bytes_per_param", [(0, 18), (1, 6 + 12 / 64), (2, 2 + 16 / 64), (3, 18 / 64)])
+def test_the_runtimes_fp32_gradients_cost_two_bytes_a_parameter_more_where_they_are_held(zero, bytes_per_param):
+    """autoshard's runtime reduces and sums gradients in fp32 (FSDP2's reduce_dtype, runtime/precision.py): the
+    full sum across micro-batches at ZeRO-0/1, the fp32 shard at ZeRO-2/3."""
+    p, g, o = model_state_bytes(1.0, BF16_MIXED, zero=zero, dp=64)
+    assert p + g + o == pytest.approx(bytes_per_param)
 
 
 def _layer_saved_bytes(*, tp, sp, recompute, s=64, h=64, a=4, b=2):

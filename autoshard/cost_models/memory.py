@@ -66,22 +66,29 @@ class Precision:
 # same for bf16 (its fp32 main_grad buffer: `accumulate_allreduce_grads_in_fp32` is forced on with --bf16).
 BF16_MIXED = Precision(name="bf16-mixed", act_bytes=2, param_bytes=2, grad_bytes=2, master_bytes=4, optim_bytes=8)
 FP32 = Precision(name="fp32", act_bytes=4, param_bytes=4, grad_bytes=4, master_bytes=0, optim_bytes=8)
-PRECISIONS = {p.name: p for p in (BF16_MIXED, FP32)}
+# DeepSpeed's and Megatron-LM's fp16 engines: 16-bit gradients, reduced and held in 16 bits (the published memory
+# figures of ZeRO and Korthikanti et al. count them so)
+BF16_MIXED_16BIT_GRADS = Precision(name="bf16-mixed-16bit-grads", act_bytes=2, param_bytes=2, grad_bytes=2,
+                                   master_bytes=4, optim_bytes=8, reduce_bytes=2)
+PRECISIONS = {p.name: p for p in (BF16_MIXED, FP32, BF16_MIXED_16BIT_GRADS)}
 
 
 def model_state_bytes(numel: float, precision: Precision, *, zero: int, dp: int) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states incl. master copy) bytes on one GPU for `numel` local params.
 
     ZeRO stage 1 shards the optimizer states over the `dp` ranks, stage 2 the gradients too, stage 3 the
-    parameters too: 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N bytes with mixed-precision Adam (ZeRO §5), 16-bit
-    gradients as DeepSpeed and Megatron's fp16 engine hold them, and as the published memory figures this is
-    validated on count them. FSDP2 with autoshard's mixed-precision policy (runtime/precision.py) holds fp32
-    gradients and no 16-bit ZeRO-3 shard: 2Ψ more at stage 0, 2Ψ/N more at stages 1-2, the same at stage 3.
+    parameters too (ZeRO §5). Gradients are held in the reduce dtype (`reduce_bytes`): with 16-bit ones, as
+    DeepSpeed and Megatron's fp16 engine hold them (`BF16_MIXED_16BIT_GRADS`), 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and
+    16Ψ/N bytes with mixed-precision Adam, the ZeRO paper's figures. autoshard's runtime (FSDP2 with
+    `MixedPrecisionPolicy(reduce_dtype=float32)`, runtime/precision.py) holds them in fp32: the full sum across
+    micro-batches at stages 0-1 (`unsharded_accumulated_grad`, and ZeRO-0's replicated fp32 gradient), the fp32
+    shard at 2-3: 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N (ZeRO-3 holds no 16-bit shard between uses, so 16Ψ/N
+    there; the 2Ψ/N is left in, on the safe side).
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     p = numel * precision.param_bytes
-    g = numel * precision.grad_bytes
+    g = numel * precision.reduce_bytes
     o = numel * (precision.master_bytes + precision.optim_bytes)
     if zero >= 1:
         o /= dp

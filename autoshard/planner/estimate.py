@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
-from autoshard.cost_models.memory import ALLOCATORS
+from autoshard.cost_models.memory import ALLOCATORS, PRECISIONS
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.planner.bounds import block_costs
@@ -44,6 +44,9 @@ class HandConfig:
     # asynchronous TP communication), "all" (Megatron-Core --tp-comm-overlap); True means "all"
     tp_comm_overlap: str | bool = ""
     allocator: str = "expandable"  # PyTorch CUDA allocator mode: expandable (segments) or caching (default)
+    # another engine's training precision (cost_models.memory.PRECISIONS: "bf16-mixed-16bit-grads" for DeepSpeed's
+    # and Megatron's fp16 engines); None: what autoshard's runtime runs on the cluster (context.default_precision)
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tp_comm_overlap, bool):
@@ -55,6 +58,9 @@ class HandConfig:
             require_positive(name, getattr(self, name))
         if self.virtual_stages > 1 and self.pp == 1:  # checked here: before the model is captured
             raise ConfigurationError("virtual_stages > 1 needs pp > 1", params=("virtual_stages", "pp"))
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ConfigurationError(f"precision={self.precision!r}: use one of {', '.join(PRECISIONS)}",
+                                     params=("precision",))
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigurationError(f"recompute={self.recompute!r}: use none, selective or full", params=("recompute",))
         if self.schedule is not None and self.schedule not in SCHEDULES:
@@ -136,7 +142,8 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     m = check_batch(cfg.global_batch, cfg.dp, cfg.micro_batch)
     mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)) if d > 1})
     ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
-                      precision=default_precision(cluster), recompute=cfg.recompute, seq=graph.seq_len,
+                      precision=PRECISIONS[cfg.precision] if cfg.precision else default_precision(cluster),
+                      recompute=cfg.recompute, seq=graph.seq_len,
                       fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, zero_impl=cfg.zero_impl,
                       tp_overlap=cfg.tp_comm_overlap, allocator=cfg.allocator)
     assign = megatron_assignment(graph, mesh, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
