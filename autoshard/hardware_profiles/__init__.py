@@ -34,7 +34,7 @@ def hardware_table() -> dict:
                 "name": gpu.name,
                 "peak_tflops": gpu.peak_tflops,
                 # the best large GEMM at the clock the GPU sustains in training (burst x sustained fraction)
-                "gemm_tflops_sustained": round(gpu.sustained_tflops * gpu.max_gemm_efficiency, 1),
+                "gemm_tflops_sustained": round(gpu.sustained_tflops * gpu.best_gemm_efficiency, 1),
                 "hbm_gbps": gpu.hbm_gbps,
                 "memory_gib": gpu.memory_gib,
                 "gpus_per_node": gpu.gpus_per_node,

@@ -75,6 +75,13 @@ class GPUProfile:
         """The dense tensor-core peak at the clock the GPU sustains in training (TFLOP/s)."""
         return self.peak_tflops * self.sustained_tensor_fraction
 
+    @property
+    def best_gemm_efficiency(self) -> float:
+        """The largest fraction of peak any GEMM reaches on this GPU: the large-GEMM figure, or the best shape of a
+        measured grid where that is higher (what lower bounds on compute time divide by)."""
+        measured = max((row[3] for row in self.gemm_tflops), default=0.0) / self.peak_tflops
+        return max(self.max_gemm_efficiency, measured)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_networks", tuple(self.allowed_networks))  # YAML gives a list
         object.__setattr__(self, "gemm_tflops", tuple(tuple(float(v) for v in row) for row in self.gemm_tflops))

@@ -103,7 +103,7 @@ def time_lower_bound_s(graph: OpGraph, gpu, precision: Precision, *, tp_degree: 
     if recompute == "selective":
         gemm += t.score_fwd + t.sac_gemm_fwd
         io += t.sac_io_block
-    peak = gpu.sustained_tflops * 1e12 * gpu.max_gemm_efficiency
+    peak = gpu.sustained_tflops * 1e12 * gpu.best_gemm_efficiency
     attn_peak = gpu.sustained_tflops * 1e12 * max_attention_efficiency(gpu)
     per_sample = gemm / peak + attn / attn_peak + \
         io * precision.act_bytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
