@@ -69,3 +69,11 @@ def mixtral_8x7b():
                                             num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                                             num_local_experts=8, num_experts_per_tok=2,
                                             max_position_embeddings=4096))
+
+
+def default_rwkv():
+    """RWKV: its first block has an extra LayerNorm, so its block list is not all identical blocks."""
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    return RwkvForCausalLM(RwkvConfig(hidden_size=32, num_hidden_layers=3, vocab_size=128, attention_hidden_size=32,
+                                      intermediate_size=64, context_length=64))

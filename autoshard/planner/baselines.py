@@ -19,7 +19,7 @@ from autoshard.capture.ir import OpGraph
 from autoshard.errors import ConfigurationError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import projection_head_slices, schedule_blocker
+from autoshard.planner.contract import pipeline_blocker, projection_head_slices, schedule_blocker
 from autoshard.planner.evaluate import evaluate, inflight_microbatches
 from autoshard.planner.explain import batch_label
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
@@ -119,9 +119,10 @@ def _megatron(graph, cluster, global_batch, cap, *, pipelines: bool) -> _Best:
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
     prec = default_precision(cluster)
     pre, block, post = block_costs(graph)
+    cuttable = pipeline_blocker(graph) is None  # stages are priced (and run) from one list of identical blocks
     configs = []
     for tp in _divisors(gpn):
-        for pp in (_divisors(n // tp) if pipelines and graph.blocks else [1]):
+        for pp in (_divisors(n // tp) if pipelines and cuttable else [1]):
             if (not pipelines and tp == 1) or pp > max(graph.num_layers, 1) or n % (tp * pp):
                 continue
             dp = n // (tp * pp)

@@ -11,7 +11,8 @@ that does not (a plan file from elsewhere, an edited one).
   runs before the blocks, the last chunk what runs after them. The runtime enters a later chunk through
   the model's own forward with `inputs_embeds=` (every decoder in `transformers` takes it), or through the
   explicit description of one of autoshard's own test models; a model with two block lists (an encoder and
-  a decoder) or none, or whose forward takes no `inputs_embeds`, is not pipelined.
+  a decoder) or none, whose list holds blocks that differ from the others (RWKV's first block has an extra
+  LayerNorm, DeepSeek-V3's first layers are dense), or whose forward takes no `inputs_embeds`, is not pipelined.
 - Operators DTensor cannot run: a model whose graph has one (the grouped expert matmul `grouped_mm` of
   mixture-of-experts layers in `transformers`; DTensor's sharding propagation runs its meta kernel, which
   takes only bf16) trains on plain tensors, data parallel and sharded data parallel per operator: no
@@ -133,6 +134,13 @@ def pipeline_blocker(graph: OpGraph) -> str | None:
     if len(graph.blocks) > 1:
         names = ", ".join(b.name for b in graph.blocks)
         return f"it has {len(graph.blocks)} lists of repeated blocks ({names}); stages cut one list"
+    group = graph.blocks[0]
+    children = sorted({op.layer for op in graph.ops if op.layer is not None and op.module_path.startswith(f"{group.name}.")})
+    if len(children) > group.count:
+        tied = {graph.op(names[0]).layer for names in group.op_names}
+        odd = [i for i in children if i not in tied]
+        return (f"{len(odd)} of the {len(children)} blocks of {group.name} ({', '.join(map(str, odd[:4]))}"
+                f"{', ...' if len(odd) > 4 else ''}) differ from the others; stages cut a list of identical blocks")
     if graph.root_type in OWN_PIPELINE_CLASSES or PIPELINE_ENTRY in graph.root_kwargs:
         return None
     return (f"its forward ({graph.root_type or 'the model'}) takes no {PIPELINE_ENTRY}= to enter a later "

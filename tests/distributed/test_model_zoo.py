@@ -82,13 +82,19 @@ def _runnable_tp(arch: str) -> str | None:
     return spmd_blocker(_graph(arch)) or ("no tensor-parallel convolution" if arch == "cnn" else None)
 
 
+def _pipeline_blocker(arch: str) -> str | None:
+    from autoshard.planner.contract import pipeline_blocker
+
+    return _runnable_tp(arch) or pipeline_blocker(_graph(arch))
+
+
 def _cases(arch: str) -> list[dict]:
     out = [("default", _planned(arch, None))]
     if arch == "gemma":
         out.append(("autoplan", None))  # autoparallel(plan=None): planned on rank 0 and broadcast
     if _runnable_tp(arch) is None:
         out.append(("tp", _asked(arch, tp=2, dp=2)))
-        if arch in DECODERS:
+        if arch in DECODERS and _pipeline_blocker(arch) is None:
             out.append(("pp", _asked(arch, pp=2, dp=2)))
     if arch in EXTRA:  # activation recomputation (the block runs again in backward, in the forward's mode), SP
         out += [(f"extra-{k}", _asked(arch, **degrees)) for k, degrees in EXTRA[arch].items()]
@@ -147,7 +153,7 @@ def test_tensor_parallel_plan_equals_one_process_or_is_never_offered(arch):
 
 @pytest.mark.parametrize("arch", [a for a in RUN_ARCHS if a in DECODERS])
 def test_pipelined_decoder_equals_one_process(arch):
-    if _runnable_tp(arch) is not None:  # stages compute on DTensors: not offered for MoE
+    if _pipeline_blocker(arch) is not None:  # stages compute on DTensors (not for MoE) and are cut from one block list
         from autoshard.planner.search import enumerate_candidates, parse_space
 
         found, _ = enumerate_candidates(_graph(arch), CLUSTER, global_batch=BATCH, space=parse_space("pp,dp"),
