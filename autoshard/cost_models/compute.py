@@ -34,6 +34,14 @@ _TILES = ((256, 128), (128, 256), (128, 128))
 
 # Fused attention kernels: "flash" (FlashAttention-2, causal or unmasked) and "masked" (PyTorch SDPA given an
 # explicit mask runs the memory-efficient kernel). Their efficiencies are per GPU, in the hardware profiles.
+# Convention, checked against runs and kept on purpose: an efficiency applies to the FLOPs of the full score
+# matrix (capture/flops.py), causal or not, while FlashAttention's own benchmarks count half of them for a causal
+# kernel. A causal kernel is so priced at half the rate its microbenchmark reports, and in-situ runs agree with
+# that, not with the microbenchmark: llm-foundry's MPT-1B at 65,536 tokens on 8 GPUs, ~90% attention, ran at
+# 61.6% of A100 peak / 35.1% of H100 peak in full-matrix hardware FLOPs (its README's HFU; priced 0.6 x 0.957 and
+# 0.34 x 0.848). Pricing H100 with FlashAttention-2's microbenchmark bars instead (FlashAttention-3 paper,
+# arXiv 2407.08608 Figs. 5-6, head dim 128: causal forward 191-335 TFLOP/s at 512-16k tokens, counted half) took
+# the dev set's MPT H100 runs from -3.8% to -7.4% mean signed error (MPT-7B at 8k tokens from +9.1% to -11.4%).
 ATTENTION_KERNELS = ("flash", "masked")
 # Its backward recomputes the score matrix: 5 matmuls against the forward's 2, i.e. 2.5x the forward FLOPs
 # where model-FLOP counting (Megatron) says 2x (Dao 2023 §3.1.2).
