@@ -5,8 +5,7 @@ runs them; point-to-point between rank pairs. Kernels run on every rank at once 
 one rank per core (`num_sms` records the cores): ranks that outnumber the cores share them, which the cost
 model applies per phase (all ranks busy in data parallelism, some idle in a pipeline's bubble). Host costs
 that need every rank (DTensor dispatch, FSDP hooks, the optimizer on DTensor parameters) are measured with
-all ranks and scaled back to one core's worth. Each figure is the mean over back-to-back repetitions (what a
-step sums, stalls included) and then the median over ranks.
+all ranks and scaled back to one core's worth. Each figure is the median over repetitions and then over ranks.
 
     gemm        TFLOP/s of (m x k) @ (k x n) over a grid of shapes, in the training dtype (bf16 on GPUs,
                 fp32 on CPU ranks): the cost model interpolates in it (`GPUProfile.gemm_tflops`)
@@ -67,9 +66,7 @@ class _Ctx:
             torch.cuda.synchronize(self.device)
 
     def timed(self, fn: Callable[[], object], *, reps: int | None = None) -> float:
-        """Mean seconds of `fn` over `reps` calls on every rank at once, the median over ranks. The mean, not
-        the median: a step's time is the sum of its calls, stalls included (a rank descheduled, a late peer),
-        and nccl-tests reports its collectives so too (src/common.cu: the loop's time / iters)."""
+        """Median seconds of `fn` on every rank at once, the median over ranks."""
         fn()  # warm-up (allocations, kernel selection, communicator set-up)
         self.sync()
         t0 = time.perf_counter()
@@ -85,7 +82,7 @@ class _Ctx:
             fn()
             self.sync()
             samples.append(time.perf_counter() - t0)
-        return self.across_ranks(statistics.fmean(samples))
+        return self.across_ranks(statistics.median(samples))
 
     def busy(self, fn: Callable[[], object], *, every_rank: bool = False) -> float:
         """Seconds per call of `fn` run back to back for the same wall time on the active ranks (one per core
