@@ -135,11 +135,12 @@ def pipeline_blocker(graph: OpGraph) -> str | None:
         names = ", ".join(b.name for b in graph.blocks)
         return f"it has {len(graph.blocks)} lists of repeated blocks ({names}); stages cut one list"
     group = graph.blocks[0]
-    children = sorted({op.layer for op in graph.ops if op.layer is not None and op.module_path.startswith(f"{group.name}.")})
-    if len(children) > group.count:
-        tied = {graph.op(names[0]).layer for names in group.op_names}
-        odd = [i for i in children if i not in tied]
-        return (f"{len(odd)} of the {len(children)} blocks of {group.name} ({', '.join(map(str, odd[:4]))}"
+    in_list = sorted({op.layer for op in graph.ops
+                      if op.layer is not None and op.module_path.startswith(f"{group.name}.")})
+    if len(in_list) > group.count:  # the list holds blocks that capture did not find repeated
+        repeated = {graph.op(names[0]).layer for names in group.op_names}
+        odd = [i for i in in_list if i not in repeated]
+        return (f"{len(odd)} of the {len(in_list)} blocks of {group.name} ({', '.join(map(str, odd[:4]))}"
                 f"{', ...' if len(odd) > 4 else ''}) differ from the others; stages cut a list of identical blocks")
     if graph.root_type in OWN_PIPELINE_CLASSES or PIPELINE_ENTRY in graph.root_kwargs:
         return None
