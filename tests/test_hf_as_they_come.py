@@ -152,19 +152,20 @@ def test_encoder_decoder_captures_from_its_natural_keyword_inputs():
 
 def test_a_block_list_whose_first_block_differs_is_never_pipelined_and_estimate_says_why(capsys):
     # RWKV's block 0 has an extra LayerNorm: blocks 1-2 repeat, block 0 does not. Stages cut the model's list of
-    # identical blocks; before, the search's pipeline candidates indexed layer 2 of a 2-layer partition (KeyError)
+    # identical blocks; before, the search's pipeline candidates indexed layer 2 of a 2-layer partition (KeyError).
+    # Four tokens: the graph unrolls RWKV's recurrence per token, and what matters here is the block list
     from autoshard.api import load_graph
     from autoshard.planner.contract import pipeline_blocker
 
-    graph = load_graph("tests.factory_models:default_rwkv", seq=16)
+    graph = load_graph("tests.factory_models:default_rwkv", seq=4)
     assert [b.count for b in graph.blocks] == [2]
     assert "1 of the 3 blocks of rwkv.blocks (0) differ from the others" in pipeline_blocker(graph)
     code = main(["plan", "tests.factory_models:default_rwkv", "--cluster", "1x4xcpu", "--global-batch", "8",
-                 "--seq", "16", "--space", "pp,dp", "--json", "--time-limit", "10"])
+                 "--seq", "4", "--space", "pp,dp", "--json", "--time-limit", "10"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "pp" not in dict(json.loads(out)["mesh"])
-    assert main(["estimate", "tests.factory_models:default_rwkv", "--cluster", "1x4xcpu", "--seq", "16", "--pp", "2",
+    assert main(["estimate", "tests.factory_models:default_rwkv", "--cluster", "1x4xcpu", "--seq", "4", "--pp", "2",
                  "--dp", "2", "--global-batch", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot be cut into pipeline stages" in err and "use --pp 1" in err
