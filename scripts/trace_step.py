@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -62,10 +61,8 @@ def main() -> None:
         step(i)
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
         for i in range(a.steps):
             step(a.warmup + i)
-        wall = time.perf_counter() - t0
     steps = sorted((e for e in prof.events() if e.name == "trace::step"), key=lambda e: e.time_range.start)
     reduces = [e for e in prof.events() if e.name.startswith(REDUCE)]
     rows = []
@@ -75,7 +72,7 @@ def main() -> None:
         rows.append((s.time_range.start / 1e3, s.time_range.elapsed_us() / 1e3,
                      sum(r.time_range.elapsed_us() for r in mine) / 1e3, None if first is None else first / 1e3))
     out = [None] * world
-    dist.all_gather_object(out, {"rows": rows, "wall_s": wall})
+    dist.all_gather_object(out, {"rows": rows})
     if rank == 0:
         report(out, plan)
     dist.destroy_process_group()
@@ -93,14 +90,14 @@ def report(out: list[dict], plan) -> None:
         return
     print("skew at the first gradient reduction (last rank of the dp group in, minus the first), ms:")
     for i in range(len(out[0]["rows"])):
-        skews = []
+        skews = {}  # dp group -> skew, for the groups whose every rank reduced in this step
         for g in groups:
             firsts = [out[r]["rows"][i][3] for r in g if out[r]["rows"][i][3] is not None]
             if len(firsts) == len(g):
-                skews.append(max(firsts) - min(firsts))
+                skews[str(g)] = max(firsts) - min(firsts)
         if skews:
-            print(f"  step {i}: " + ", ".join(f"{g}: {s:.1f}" for g, s in zip(groups, skews, strict=False))
-                  + f" (median {statistics.median(skews):.1f})")
+            print(f"  step {i}: " + ", ".join(f"{g}: {s:.1f}" for g, s in skews.items())
+                  + f" (median {statistics.median(skews.values()):.1f})")
 
 
 def dp_groups(plan, world: int) -> list[list[int]]:
