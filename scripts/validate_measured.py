@@ -4,21 +4,22 @@ compare. Writes benchmarks/measured_validation.md and .json (issue 14).
     python scripts/validate_measured.py [--repeats 3] [--steps 6] [--warmup 2] [--profile-rounds 3]
                                         [--skip-profile] [--only NAMES]
 
-1. `autoshard profile --quick` on 2 and on 4 CPU ranks (torchrun), `--profile-rounds` times each, alternating
-   world sizes so the rounds are spread over minutes; every number of the profile is the median over the rounds
-   (one slow minute moved a single round's host costs by 50-70%) -> benchmarks/measured/cpu{2,4}.yaml, and the
-   rounds' spread of the figures that matter most is reported;
+1. `autoshard profile --quick` on 2 and on 4 CPU ranks (torchrun), `--profile-rounds` times each: one round
+   before the first measured pass and one after each pass (P1 M1 P2 M2 P3 M3), so the rounds span the minutes
+   the plans are measured in; every number of the profile is the median over the rounds (one slow minute moved
+   a single round's host costs by 50-70%; this machine's speed drifts by 20-40% within a run) ->
+   benchmarks/measured/cpu{2,4}.yaml, and the rounds' spread of the figures that matter most is reported;
 2. plans of a small GPT and a small Llama on 2 and 4 ranks: data parallel, ZeRO-1/2/3, ZeRO per operator, 1D
    tensor parallel, 1D + sequence parallel, 2D, pipelines (GPipe, 1F1B, interleaved, looped BFS), other
-   micro-batches, recompute full and selective, and the planner's own choice on the measured profile; each
-   priced on the profile of the ranks it runs on;
-3. every plan run on the ranks (one torchrun per world size; `--repeats` passes over all plans, `--steps`
-   timed steps each, after `--warmup`): the measured step is the median over repeats of the median step;
-4. per plan predicted, measured and error; MAPE, Kendall's tau of the orderings, and the rank of the planner's
-   choice among the measured plans of its model and world size.
+   micro-batches, recompute full and selective, and the planner's own choice, made on the first round's profile;
+3. every plan run on the ranks (one torchrun per world size and pass; `--repeats` passes over all plans,
+   `--steps` timed steps each, after `--warmup`): the measured step is the median over passes of the median step;
+4. every plan (the planner's choices too) priced on the median profile of the ranks it runs on; per plan
+   predicted, measured and error; MAPE, Kendall's tau of the orderings, and the rank of the planner's choice
+   among the measured plans of its model and world size.
 
 A benchmark, not a test: it takes tens of minutes and its figures depend on this machine's load (the spread
-of the repeats is reported). Ranks share the machine's cores: 4 ranks on 2 cores is part of what is measured.
+of the passes is reported). Ranks share the machine's cores: 4 ranks on 2 cores is part of what is measured.
 """
 
 # Over 400 lines on purpose: the ranks run this file's worker (torchrun imports it as __main__), and the
@@ -26,6 +27,7 @@ of the repeats is reported). Ranks share the machine's cores: 4 ranks on 2 cores
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -101,33 +103,27 @@ def profile_spread(rounds: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
-def profile_rounds(worlds: list[int], rounds: int) -> dict[int, dict]:
-    """`rounds` quick profiles per world size, world sizes alternating; each world's median profile written to
-    its file (header kept); returns {world: spread}."""
+def profile_round(worlds: list[int], got: dict[int, list[dict]], headers: dict[int, str], label: str) -> None:
+    """One quick profile per world size, appended to `got[world]`; each world's file rewritten as the median
+    of its rounds so far (header kept)."""
     import yaml
 
     from autoshard.runtime.profile import merge_rounds
 
-    got: dict[int, list[dict]] = {w: [] for w in worlds}
-    headers: dict[int, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(rounds):
-            for w in worlds:
-                print(f"profiling {w} ranks (round {i + 1} of {rounds}) ...", flush=True)
-                out = Path(tmp, f"cpu{w}-{i}.yaml")
-                torchrun(w, "-m", "autoshard", "profile", "--quick", "--quiet", "-o", str(out))
-                text = out.read_text()
-                got[w].append(yaml.safe_load(text))
-                headers.setdefault(w, "".join(line for line in text.splitlines(keepends=True)
-                                              if line.startswith("#")))
-    spreads = {}
+        for w in worlds:
+            print(f"profiling {w} ranks ({label}) ...", flush=True)
+            out = Path(tmp, f"cpu{w}.yaml")
+            torchrun(w, "-m", "autoshard", "profile", "--quick", "--quiet", "-o", str(out))
+            text = out.read_text()
+            got.setdefault(w, []).append(yaml.safe_load(text))
+            headers.setdefault(w, "".join(line for line in text.splitlines(keepends=True) if line.startswith("#")))
     for w in worlds:
-        note = (f"# Each number is the median of {rounds} rounds of `autoshard profile --quick` on {w} ranks "
-                "(scripts/validate_measured.py).\n")
+        n = len(got[w])
+        note = (f"# Each number is the median of {n} rounds of `autoshard profile --quick` on {w} ranks, taken "
+                "between the measured passes (scripts/validate_measured.py).\n")
         profile_file(w).write_text(headers[w] + note + yaml.safe_dump(merge_rounds(got[w]), sort_keys=False,
                                                                       width=200, default_flow_style=None))
-        spreads[w] = profile_spread(got[w])
-    return spreads
 
 
 def run(cmd: list[str], timeout_s: float) -> None:
@@ -143,6 +139,7 @@ def torchrun(world: int, *args: str, timeout_s: float = 7200) -> None:
 
 
 # -- plans -----------------------------------------------------------------------------------------------------
+@functools.cache
 def _graphs() -> dict:
     from autoshard.capture import capture_model
     from autoshard.models import load_model
@@ -200,7 +197,7 @@ def _save(plan, name: str, model: str, world: int, tmp: Path, *, planner: bool) 
 
 
 # -- worker (on every rank, under torchrun) ----------------------------------------------------------------
-def worker(plans_path: str, out_path: str, repeats: int, steps: int, warmup: int) -> None:
+def worker(plans_path: str, out_path: str, repeats: int, steps: int, warmup: int, first_pass: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -215,12 +212,12 @@ def worker(plans_path: str, out_path: str, repeats: int, steps: int, warmup: int
     entries = [e for e in json.loads(Path(plans_path).read_text()) if e["world"] == world]
     cluster = ClusterSpec.parse(str(profile_file(world)))
     results = {e["name"]: [] for e in entries}
-    for r in range(repeats):
+    for r in range(first_pass, first_pass + repeats):
         for e in (entries if r % 2 == 0 else entries[::-1]):  # alternate the order: slow drifts fall on all
             m = measure_plan(Plan.load(e["path"]), cluster=cluster, steps=steps, warmup=warmup)
             results[e["name"]].append(m.step.median_s)
             if dist.get_rank() == 0:
-                print(f"repeat {r + 1}/{repeats} {e['name']}: {m.step.median_s * 1e3:.0f} ms", flush=True)
+                print(f"pass {r + 1} {e['name']}: {m.step.median_s * 1e3:.0f} ms", flush=True)
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -284,14 +281,15 @@ def write_report(summary: dict, args, elapsed_s: float) -> None:
              "", f"Written by `{meta['command']}` ({meta['machine']}, {elapsed_s / 60:.0f} min). "
              "Each plan is priced on the profile `autoshard profile --quick` measured on the same number of "
              f"ranks (benchmarks/measured/cpu2.yaml, cpu4.yaml; "
-             + (f"each number the median of {args.profile_rounds} rounds" if summary.get("profile_spread")
-                else "reused") +
-             f") and run for {args.repeats} repeats of "
-             f"{args.steps} timed steps (after {args.warmup}); measured = median over repeats of the median step. "
+             + (f"each number the median of {args.profile_rounds} rounds, one before the first measured pass "
+                "and the others between the passes; the planner chose its plans on the first round"
+                if summary.get("profile_spread") else "reused") +
+             f") and run in {args.repeats} passes of "
+             f"{args.steps} timed steps (after {args.warmup}); measured = median over passes of the median step. "
              f"Global batch {BATCH}; models `{GPT}` and `{LLAMA}`; fp32 on CPU.",
              "", f"**MAPE {summary['mape_pct']:.1f}%** (mean signed error {summary['signed_pct']:+.1f}%), "
              f"**Kendall's tau {summary['kendall_tau']:.2f}** over {len(summary['rows'])} plans; median spread "
-             f"of the repeats (max - min over the median) {summary['median_spread_pct']:.0f}%.", ""]
+             f"of the passes (max - min over the median) {summary['median_spread_pct']:.0f}%.", ""]
     for name, c in summary["planner"].items():
         lines.append(f"- planner's choice `{name}`: measured rank {c['rank']} of {c['of']} plans of its model "
                      f"and ranks, {c['behind_fastest_pct']:+.1f}% behind the fastest (`{c['fastest']}`)")
@@ -311,37 +309,64 @@ def write_report(summary: dict, args, elapsed_s: float) -> None:
     (OUT / "measured_validation.md").write_text("\n".join(lines) + "\n")
 
 
+def reprice(entries: list[dict]) -> None:
+    """Every entry's prediction (the planner's choices too) on the profile files as they are now."""
+    from autoshard.hardware_profiles import ClusterSpec
+    from autoshard.planner.plan import Plan
+    from autoshard.planner.reprice import price_plan
+
+    graphs = _graphs()
+    for e in entries:
+        plan, _ = price_plan(Plan.load(e["path"]), graphs[e["model"]], ClusterSpec.parse(str(profile_file(e["world"]))))
+        e["predicted_s"], e["breakdown_s"] = plan.prediction.iteration_time_s, plan.prediction.time.seconds()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="measured passes over all plans")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-rounds", type=int, default=3,
-                    help="quick profiles per world size, alternating; the profile is their median")
+                    help="quick profiles per world size, one before the first pass and one after each pass but "
+                         "the last; the profile is their median")
     ap.add_argument("--skip-profile", action="store_true", help="reuse benchmarks/measured/cpu*.yaml")
     ap.add_argument("--only", default="", help="comma-separated plan names (the planner's choices are added)")
     ap.add_argument("--worker", nargs=2, metavar=("PLANS", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--first-pass", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(*args.worker, args.repeats, args.steps, args.warmup)
+        return worker(*args.worker, args.repeats, args.steps, args.warmup, args.first_pass)
     t0 = time.perf_counter()
     PROFILES.mkdir(parents=True, exist_ok=True)
     worlds = sorted({w for _, _, w, _ in CONFIGS})
-    spreads = {} if args.skip_profile else profile_rounds(worlds, max(1, args.profile_rounds))
-    entries = build_plans(set(filter(None, args.only.split(","))) or None)
+    rounds = 0 if args.skip_profile else max(1, args.profile_rounds)
+    got: dict[int, list[dict]] = {}
+    headers: dict[int, str] = {}
+    if rounds:
+        profile_round(worlds, got, headers, f"round 1 of {rounds}")
+    entries = build_plans(set(filter(None, args.only.split(","))) or None)  # the planner chooses on round 1
     measured: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         plans = Path(tmp, "plans.json")
         plans.write_text(json.dumps(entries))
-        for w in worlds:
-            if any(e["world"] == w for e in entries):
-                print(f"measuring {sum(e['world'] == w for e in entries)} plans on {w} ranks ...", flush=True)
-                out = Path(tmp, f"out{w}.json")
-                torchrun(w, __file__, "--worker", str(plans), str(out), "--repeats", str(args.repeats),
-                         "--steps", str(args.steps), "--warmup", str(args.warmup))
-                measured.update(json.loads(out.read_text()))
+        for i in range(args.repeats):
+            for w in worlds:
+                if any(e["world"] == w for e in entries):
+                    print(f"pass {i + 1} of {args.repeats}: measuring {sum(e['world'] == w for e in entries)} plans "
+                          f"on {w} ranks ...", flush=True)
+                    out = Path(tmp, f"out{w}.json")
+                    torchrun(w, __file__, "--worker", str(plans), str(out), "--repeats", "1", "--first-pass", str(i),
+                             "--steps", str(args.steps), "--warmup", str(args.warmup))
+                    for name, times in json.loads(out.read_text()).items():
+                        measured.setdefault(name, []).extend(times)
+            if rounds and len(got[worlds[0]]) < rounds:  # P1 M1 P2 M2 P3 M3: rounds between passes
+                profile_round(worlds, got, headers, f"round {len(got[worlds[0]]) + 1} of {rounds}")
+    while rounds and len(got[worlds[0]]) < rounds:
+        profile_round(worlds, got, headers, f"round {len(got[worlds[0]]) + 1} of {rounds}")
+    if rounds > 1:
+        reprice(entries)  # every prediction on the median of all rounds, which span the measured passes
     summary = summarize(entries, measured)
-    summary["profile_spread"] = {str(w): v for w, v in spreads.items()}
+    summary["profile_spread"] = {str(w): profile_spread(got[w]) for w in worlds} if rounds else {}
     write_report(summary, args, time.perf_counter() - t0)
     print(f"MAPE {summary['mape_pct']:.1f}%, Kendall tau {summary['kendall_tau']:.2f}, "
           f"{len(summary['rows'])} plans; report in benchmarks/measured_validation.md")

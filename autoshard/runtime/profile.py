@@ -5,7 +5,8 @@ runs them; point-to-point between rank pairs. Kernels run on every rank at once 
 one rank per core (`num_sms` records the cores): ranks that outnumber the cores share them, which the cost
 model applies per phase (all ranks busy in data parallelism, some idle in a pipeline's bubble). Host costs
 that need every rank (DTensor dispatch, FSDP hooks, the optimizer on DTensor parameters) are measured with
-all ranks and scaled back to one core's worth. Each figure is the median over repetitions and then over ranks.
+all ranks and scaled back to one core's worth. Each figure is the mean over repetitions (the expected
+time: a step adds its operations' times) and then the median over ranks.
 
     gemm        TFLOP/s of (m x k) @ (k x n) over a grid of shapes, in the training dtype (bf16 on GPUs,
                 fp32 on CPU ranks): the cost model interpolates in it (`GPUProfile.gemm_tflops`)
@@ -43,6 +44,7 @@ GRIDS = {  # GEMM dims per (device, quick)
     ("cuda", True): (256, 1024, 4096), ("cuda", False): (256, 1024, 4096, 8192, 16384),
 }
 _SIZES = {True: [4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20], False: [4 << 10 << 2 * i for i in range(10)]}
+MIN_REPS = 8  # a mean of fewer calls of a bimodal collective moves by half its slow mode
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 _FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
            "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
@@ -66,7 +68,13 @@ class _Ctx:
             torch.cuda.synchronize(self.device)
 
     def timed(self, fn: Callable[[], object], *, reps: int | None = None) -> float:
-        """Median seconds of `fn` on every rank at once, the median over ranks."""
+        """Mean seconds of `fn` on every rank at once, the median over ranks.
+
+        The mean, not the median: a step's time is the sum of its operations' times, and the sum of means is
+        the mean of the sum (a median is not additive). On this project's 2-core VM a 64 KB gloo all-reduce on
+        2 ranks takes either ~0.3 ms or a scheduler tick (~4 ms), about half the time each; the median of a
+        dozen calls flipped between 0.4 and 3.6 ms from one minute to the next, their mean stayed 1-3 ms
+        (`_sync_us`'s docstring has the measurement)."""
         fn()  # warm-up (allocations, kernel selection, communicator set-up)
         self.sync()
         t0 = time.perf_counter()
@@ -74,7 +82,7 @@ class _Ctx:
         self.sync()
         once = torch.tensor([max(time.perf_counter() - t0, 1e-7)], dtype=torch.float64)
         dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank runs the same number of repetitions
-        reps = reps or max(2, min(50, int(self.budget_s / once.item())))
+        reps = reps or max(MIN_REPS, min(50, int(self.budget_s / once.item())))
         samples = []
         dist.barrier()
         for _ in range(reps):
@@ -82,7 +90,7 @@ class _Ctx:
             fn()
             self.sync()
             samples.append(time.perf_counter() - t0)
-        return self.across_ranks(statistics.median(samples))
+        return self.across_ranks(statistics.fmean(samples))
 
     def busy(self, fn: Callable[[], object], *, every_rank: bool = False) -> float:
         """Seconds per call of `fn` run back to back for the same wall time on the active ranks (one per core
@@ -310,28 +318,41 @@ def _collectives(c: _Ctx) -> dict[str, dict[str, list]]:
 
 
 def _sync_us(c: _Ctx) -> dict[str, float]:
-    """link -> extra microseconds a small all-reduce costs when it sits between compute, as tensor-parallel
-    collectives do, over the same all-reduce back to back plus the compute alone: ranks reach it at different
-    times and wait for the last (on CPU ranks that share cores, for the one the scheduler runs last). The
-    median of `rounds` loops of GEMM, all-reduce."""
+    """link -> extra microseconds a small all-reduce costs when it follows compute, as tensor-parallel
+    collectives do, over the same all-reduce issued again right after it: ranks reach the first at different
+    times and wait for the last (on CPU ranks that share cores, for the one the scheduler runs last); the
+    second starts with the ranks just released together. The mean over `rounds` interleaved loops of GEMM,
+    all-reduce, all-reduce (each loop measures both under the same machine state), over ranks: the mean wait
+    of the ranks is what the slowest arrival adds to the step.
+
+    Measured on the 2-core VM this project runs on, 2 ranks, 100 loops: the all-reduce after the GEMMs and the
+    one right after it each took 0.3-0.5 ms or ~4 ms (a scheduler tick), mean 2.1-2.9 ms per rank; their
+    difference of means 0.2 ms. The earlier estimate, a median of (GEMM + all-reduce) - GEMM - all-reduce
+    timed apart, gave 0, 162 and 2,734 us in three rounds of one run (a difference of medians of bimodal
+    times taken at different moments)."""
     a = torch.randn(256, 256, device=c.device, dtype=c.dtype)
     buf = torch.ones((64 << 10) // 4, device=c.device)
+    loops = 100 if c.quick else 300
     out = {}
     for link, _g, partition in _groups(c):
         group, _ = dist.new_subgroups_by_enumeration(partition)
-
-        def gemm():
+        dist.all_reduce(buf, group=group)  # warm-up
+        dist.barrier()
+        extra = 0.0
+        for _ in range(loops):
             for _ in range(8):
                 torch.mm(a, a)
-
-        def both(group=group):
-            gemm()
+            c.sync()
+            t0 = time.perf_counter()
             dist.all_reduce(buf, group=group)
-
-        t_gemm = c.timed(gemm, reps=20)
-        t_ar = c.timed(lambda group=group: dist.all_reduce(buf, group=group), reps=20)
-        extras = [c.timed(both, reps=20) - t_gemm - t_ar for _ in range(3)]
-        out[link] = max(0.0, statistics.median(extras) * 1e6)
+            c.sync()
+            t1 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            c.sync()
+            extra += 2 * t1 - t0 - time.perf_counter()  # (t1 - t0) - (t2 - t1)
+        mean = torch.tensor([extra / loops], dtype=torch.float64)
+        dist.all_reduce(mean)
+        out[link] = max(0.0, mean.item() / c.world * 1e6)
     return out
 
 
@@ -363,10 +384,11 @@ def _link(name: str, scope: str, curves: dict[str, list], p2p: list, where: str,
         curve["p2p"] = [{"ranks": 2, "points": p2p}]
     src = f"measured by `autoshard profile` {where}"
     return {"name": name, "scope": scope, "busbw_gbps": busbw, "latency_us": round(latency_us, 3),
-            "sync_us": round(sync_us, 3), "busbw_curve": curve, "sources": {"sync_us": src + ": GEMM then a small "
-                                                                            "all-reduce, over each alone","busbw_gbps": src + ": the best busbw over message sizes, largest group",
-                                              "latency_us": src + ": smallest all-reduce / its ring steps",
-                                              "busbw_curve": src + ": all groups of a size at once"}}
+            "sync_us": round(sync_us, 3), "busbw_curve": curve,
+            "sources": {"sync_us": src + ": a small all-reduce after GEMMs, over the same right after it",
+                        "busbw_gbps": src + ": the best busbw over message sizes, largest group",
+                        "latency_us": src + ": smallest all-reduce / its ring steps",
+                        "busbw_curve": src + ": all groups of a size at once"}}
 
 
 def _device_facts(c: _Ctx) -> tuple[str, float, int, float | None]:

@@ -1,0 +1,46 @@
+"""`autoshard profile` reports what a step pays on average: the mean of repeated calls, not their median."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autoshard.runtime import profile as prof
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_timed_is_the_mean_of_bimodal_calls_because_a_step_adds_its_operations_times(one_rank, monkeypatch):
+    # a collective that takes 1 ms twice and then a 7 ms scheduler tick: a step pays 3 ms per call on average;
+    # the median (1 ms) would miss the tick entirely
+    clock = [0.0]
+    durations = itertools.cycle([1e-3, 1e-3, 7e-3])
+    monkeypatch.setattr(prof.time, "perf_counter", lambda: clock[0])
+
+    def call():
+        clock[0] += next(durations)
+
+    c = prof._Ctx(torch.device("cpu"), True, None)
+    assert c.timed(call, reps=9) == pytest.approx(3e-3)
+
+
+def test_timed_repeats_at_least_min_reps_even_when_one_call_fills_the_budget(one_rank, monkeypatch):
+    clock, calls = [0.0], [0]
+    monkeypatch.setattr(prof.time, "perf_counter", lambda: clock[0])
+
+    def slow_call():
+        calls[0] += 1
+        clock[0] += 1.0  # 20x the quick budget per measured point
+
+    prof._Ctx(torch.device("cpu"), True, None).timed(slow_call)
+    assert calls[0] == 2 + prof.MIN_REPS  # warm-up, the sizing call, then the repetitions
