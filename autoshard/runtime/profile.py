@@ -319,40 +319,51 @@ def _collectives(c: _Ctx) -> dict[str, dict[str, list]]:
 
 def _sync_us(c: _Ctx) -> dict[str, float]:
     """link -> extra microseconds a small all-reduce costs when it follows compute, as tensor-parallel
-    collectives do, over the same all-reduce issued again right after it: ranks reach the first at different
-    times and wait for the last (on CPU ranks that share cores, for the one the scheduler runs last); the
-    second starts with the ranks just released together. The mean over `rounds` interleaved loops of GEMM,
-    all-reduce, all-reduce (each loop measures both under the same machine state), over ranks: the mean wait
-    of the ranks is what the slowest arrival adds to the step.
+    collectives do, beyond what the cost model already prices: the GEMMs at one core's speed over the ranks'
+    core share (`busy`, as the GEMM table is measured) and the all-reduce as its curve does (back to back). Ranks
+    reach the all-reduce at different times and wait for the last (on CPU ranks that share cores, for the one
+    the scheduler runs last). GEMMs + all-reduce and the all-reduce alone run in alternating blocks (both under
+    the same machine state); each the mean of its calls, the median over ranks.
 
-    Measured on the 2-core VM this project runs on, 2 ranks, 100 loops: the all-reduce after the GEMMs and the
-    one right after it each took 0.3-0.5 ms or ~4 ms (a scheduler tick), mean 2.1-2.9 ms per rank; their
-    difference of means 0.2 ms. The earlier estimate, a median of (GEMM + all-reduce) - GEMM - all-reduce
-    timed apart, gave 0, 162 and 2,734 us in three rounds of one run (a difference of medians of bimodal
-    times taken at different moments)."""
+    Measured on the 2-core VM this project runs on (2026-11-26), 4 ranks, blocks of 10 calls: GEMMs +
+    all-reduce 17.8 ms in each of three rounds, the all-reduce alone 7.6-8.3 ms, the GEMMs' core time 3.4 ms
+    (6.7 ms at a half-core share): 3.3 ms of wait. The GEMMs timed alone on all ranks at once came out
+    4.1-9.5 ms from round to round (ranks that run compute without collectives drift apart and share the
+    cores unevenly), which made any estimate subtracting them unstable; the wait inside an all-reduce over the
+    same all-reduce issued right after it (0.8 ms) missed most of it, as the second waits for descheduled ranks
+    too: with it validate_measured's 4-rank tensor-parallel plans came out 31-41% fast."""
     a = torch.randn(256, 256, device=c.device, dtype=c.dtype)
     buf = torch.ones((64 << 10) // 4, device=c.device)
-    loops = 100 if c.quick else 300
+
+    def gemm():
+        for _ in range(8):
+            torch.mm(a, a)
+
+    t_gemm = c.busy(gemm) / c.share  # as the cost model prices compute: one core's speed over the core share
+    blocks, per_block = (6, 10) if c.quick else (12, 20)
     out = {}
     for link, _g, partition in _groups(c):
         group, _ = dist.new_subgroups_by_enumeration(partition)
-        dist.all_reduce(buf, group=group)  # warm-up
-        dist.barrier()
-        extra = 0.0
-        for _ in range(loops):
-            for _ in range(8):
-                torch.mm(a, a)
-            c.sync()
-            t0 = time.perf_counter()
+
+        def both(group=group):
+            gemm()
             dist.all_reduce(buf, group=group)
-            c.sync()
-            t1 = time.perf_counter()
+
+        def alone(group=group):
             dist.all_reduce(buf, group=group)
-            c.sync()
-            extra += 2 * t1 - t0 - time.perf_counter()  # (t1 - t0) - (t2 - t1)
-        mean = torch.tensor([extra / loops], dtype=torch.float64)
-        dist.all_reduce(mean)
-        out[link] = max(0.0, mean.item() / c.world * 1e6)
+
+        both(), alone()  # warm-up
+        samples: dict[str, list[float]] = {"both": [], "alone": []}
+        for _ in range(blocks):
+            for key, fn in (("both", both), ("alone", alone)):
+                dist.barrier()
+                for _ in range(per_block):
+                    t0 = time.perf_counter()
+                    fn()
+                    c.sync()
+                    samples[key].append(time.perf_counter() - t0)
+        extra = statistics.fmean(samples["both"]) - t_gemm - statistics.fmean(samples["alone"])
+        out[link] = max(0.0, c.across_ranks(extra) * 1e6)
     return out
 
 
@@ -385,7 +396,8 @@ def _link(name: str, scope: str, curves: dict[str, list], p2p: list, where: str,
     src = f"measured by `autoshard profile` {where}"
     return {"name": name, "scope": scope, "busbw_gbps": busbw, "latency_us": round(latency_us, 3),
             "sync_us": round(sync_us, 3), "busbw_curve": curve,
-            "sources": {"sync_us": src + ": a small all-reduce after GEMMs, over the same right after it",
+            "sources": {"sync_us": src + ": GEMMs then a small all-reduce, over the GEMMs at the core share "
+                                   "and the all-reduce alone",
                         "busbw_gbps": src + ": the best busbw over message sizes, largest group",
                         "latency_us": src + ": smallest all-reduce / its ring steps",
                         "busbw_curve": src + ": all groups of a size at once"}}
