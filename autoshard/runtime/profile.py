@@ -27,6 +27,7 @@ another number of nodes.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -247,22 +248,44 @@ def _optimizer_us(c: _Ctx) -> float:
 
 
 def _overlap(c: _Ctx) -> float:
-    """GEMM time while an all-reduce runs beside it over GEMM time alone (>= 1)."""
+    """The slowdown s the cost model applies to compute beside a collective (`cost_models/overlap.py`: of `comm`
+    seconds run beside longer compute, comm x (1 - 1/s) are exposed), measured as that exposure: an all-reduce
+    started with enough GEMMs to cover it, exposed = the time until both are done - the same GEMMs alone (every
+    rank busy both times, 4 trials of each alternating, means), s = 1 / (1 - exposed / comm).
+
+    On a GPU the collective runs beside the GEMMs and slows them (NCCL takes SMs and memory bandwidth): the
+    exposure is that slowdown. On CPU ranks gloo's collective needs the cores the GEMMs hold. Measured on this
+    project's 2-core VM (2026-11-26), 16 MB all-reduce beside 1024^3 GEMMs: on 4 ranks the GEMMs ran 41-46 ms
+    alone, the all-reduce 30 ms, both together 68-77 ms, about their sum (the earlier figure, the GEMMs' own
+    slowdown, said 1.0: the all-reduce waited for the GEMMs and finished after them); on 2 ranks 35-37 ms against
+    27-34 ms of GEMMs and 12.5 ms of all-reduce."""
     n = 1024 if c.device.type == "cpu" else 8192
     a = torch.randn(n, n, device=c.device, dtype=c.dtype)
     alone = c.busy(lambda: torch.mm(a, a), every_rank=True)  # the same ranks busy as with the all-reduce
     buf = torch.randn((256 << 20) // 4 if c.device.type == "cuda" else (16 << 20) // 4, device=c.device)
     comm = c.timed(lambda: dist.all_reduce(buf), reps=3)
-    reps = max(1, int(comm / alone))  # GEMMs that fit inside one all-reduce
-    dist.barrier()
-    work = dist.all_reduce(buf, async_op=True)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, a)
-    c.sync()
-    busy = (time.perf_counter() - t0) / reps
-    work.wait()
-    return max(1.0, c.across_ranks(busy) / alone)
+    reps = max(2, math.ceil(1.5 * comm / alone))  # GEMMs that outlast the all-reduce
+
+    def gemms():
+        for _ in range(reps):
+            torch.mm(a, a)
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        gemms()
+        work.wait()
+
+    times: dict = {gemms: [], both: []}
+    for _ in range(4):  # alternating, so both see the same machine
+        for fn in (gemms, both):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            c.sync()
+            times[fn].append(time.perf_counter() - t0)
+    exposed = statistics.fmean(times[both]) - statistics.fmean(times[gemms])
+    fraction = min(0.99, max(0.0, c.across_ranks(exposed) / comm))
+    return 1.0 / (1.0 - fraction)
 
 
 def _collective(name: str, nbytes: int, group, g: int, device) -> Callable[[], object]:
