@@ -16,7 +16,8 @@ time: a step adds its operations' times) and then the median over ranks.
     host        per ATen op as autograd runs it; the extra of an op on DTensors (tensor-parallel plans run their
                 ops on them); per module an FSDP unit manages, per forward + backward; per parameter tensor of
                 an AdamW step on FSDP's DTensor parameters
-    overlap     how much slower GEMMs run while an all-reduce runs beside them
+    overlap     how much of an all-reduce started beside GEMMs is exposed (on GPUs: the GEMMs' slowdown; on
+                CPU ranks, gloo's threads wait for the cores the GEMMs hold)
     collectives bus bandwidth of all-reduce, all-gather, reduce-scatter, all-to-all, broadcast by message size
                 per group size inside a node and, on several nodes, one rank per node; p2p send/recv
 
