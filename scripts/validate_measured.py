@@ -5,9 +5,10 @@ compare. Writes benchmarks/measured_validation.md and .json (issue 14).
                                         [--skip-profile] [--only NAMES]
 
 1. `autoshard profile --quick` on 2 and on 4 CPU ranks (torchrun), `--profile-rounds` times each: one round
-   before the first measured pass and one after each pass (P1 M1 P2 M2 P3 M3), so the rounds span the minutes
+   before the first measured pass and one after each pass but the last (P1 M1 P2 M2 P3 M3), so the rounds span the minutes
    the plans are measured in; every number of the profile is the median over the rounds (one slow minute moved
-   a single round's host costs by 50-70%; this machine's speed drifts by 20-40% within a run) ->
+   a single round's host costs by 50-70%; within one run on 2026-11-26 kernel launch, DTensor dispatch and the
+   optimizer's per-tensor cost moved 50-63% between rounds) ->
    benchmarks/measured/cpu{2,4}.yaml, and the rounds' spread of the figures that matter most is reported;
 2. plans of a small GPT and a small Llama on 2 and 4 ranks: data parallel, ZeRO-1/2/3, ZeRO per operator, 1D
    tensor parallel, 1D + sequence parallel, 2D, pipelines (GPipe, 1F1B, interleaved, looped BFS), other
