@@ -122,7 +122,7 @@ def profile_round(worlds: list[int], got: dict[int, list[dict]], headers: dict[i
     for w in worlds:
         n = len(got[w])
         note = (f"# Each number is the median of {n} rounds of `autoshard profile --quick` on {w} ranks, taken "
-                "between the measured passes (scripts/validate_measured.py).\n")
+                "before and between the measured passes (scripts/validate_measured.py).\n")
         profile_file(w).write_text(headers[w] + note + yaml.safe_dump(merge_rounds(got[w]), sort_keys=False,
                                                                       width=200, default_flow_style=None))
 
@@ -318,7 +318,8 @@ def reprice(entries: list[dict]) -> None:
 
     graphs = _graphs()
     for e in entries:
-        plan, _ = price_plan(Plan.load(e["path"]), graphs[e["model"]], ClusterSpec.parse(str(profile_file(e["world"]))))
+        cluster = ClusterSpec.parse(str(profile_file(e["world"])))
+        plan, _ = price_plan(Plan.load(e["path"]), graphs[e["model"]], cluster)
         e["predicted_s"], e["breakdown_s"] = plan.prediction.iteration_time_s, plan.prediction.time.seconds()
 
 
@@ -343,8 +344,15 @@ def main() -> None:
     rounds = 0 if args.skip_profile else max(1, args.profile_rounds)
     got: dict[int, list[dict]] = {}
     headers: dict[int, str] = {}
+
+    def taken() -> int:
+        return len(got.get(worlds[0], []))
+
+    def next_round() -> None:
+        profile_round(worlds, got, headers, f"round {taken() + 1} of {rounds}")
+
     if rounds:
-        profile_round(worlds, got, headers, f"round 1 of {rounds}")
+        next_round()
     entries = build_plans(set(filter(None, args.only.split(","))) or None)  # the planner chooses on round 1
     measured: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -360,10 +368,10 @@ def main() -> None:
                              "--steps", str(args.steps), "--warmup", str(args.warmup))
                     for name, times in json.loads(out.read_text()).items():
                         measured.setdefault(name, []).extend(times)
-            if rounds and len(got[worlds[0]]) < rounds:  # P1 M1 P2 M2 P3 M3: rounds between passes
-                profile_round(worlds, got, headers, f"round {len(got[worlds[0]]) + 1} of {rounds}")
-    while rounds and len(got[worlds[0]]) < rounds:
-        profile_round(worlds, got, headers, f"round {len(got[worlds[0]]) + 1} of {rounds}")
+            if taken() < rounds:  # P1 M1 P2 M2 P3 M3: the rounds between the passes
+                next_round()
+    while taken() < rounds:  # more rounds than passes
+        next_round()
     if rounds > 1:
         reprice(entries)  # every prediction on the median of all rounds, which span the measured passes
     summary = summarize(entries, measured)

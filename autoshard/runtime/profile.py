@@ -75,8 +75,8 @@ class _Ctx:
         The mean, not the median: a step's time is the sum of its operations' times, and the sum of means is
         the mean of the sum (a median is not additive). On this project's 2-core VM a 64 KB gloo all-reduce on
         2 ranks takes either ~0.3 ms or a scheduler tick (~4 ms), about half the time each; the median of a
-        dozen calls flipped between 0.4 and 3.6 ms from one minute to the next, their mean stayed 1-3 ms
-        (`_sync_us`'s docstring has the measurement)."""
+        dozen calls flipped between 0.4 and 3.6 ms from one minute to the next, the mean of 40 stayed within
+        1.1-2.8 ms (2026-11-26)."""
         fn()  # warm-up (allocations, kernel selection, communicator set-up)
         self.sync()
         t0 = time.perf_counter()
@@ -93,6 +93,20 @@ class _Ctx:
             self.sync()
             samples.append(time.perf_counter() - t0)
         return self.across_ranks(statistics.fmean(samples))
+
+    def alternating(self, fns: tuple[Callable[[], object], ...], *, blocks: int, per_block: int = 1) -> list[float]:
+        """This rank's mean seconds per call of each of `fns`, timed in alternating blocks of `per_block` calls
+        (each block after a barrier) so that all of them see the same machine state."""
+        samples: list[list[float]] = [[] for _ in fns]
+        for _ in range(blocks):
+            for fn, out in zip(fns, samples, strict=True):
+                dist.barrier()
+                for _ in range(per_block):
+                    t0 = time.perf_counter()
+                    fn()
+                    self.sync()
+                    out.append(time.perf_counter() - t0)
+        return [statistics.fmean(x) for x in samples]
 
     def busy(self, fn: Callable[[], object], *, every_rank: bool = False) -> float:
         """Seconds per call of `fn` run back to back for the same wall time on the active ranks (one per core
@@ -276,15 +290,8 @@ def _overlap(c: _Ctx) -> float:
         gemms()
         work.wait()
 
-    times: dict = {gemms: [], both: []}
-    for _ in range(4):  # alternating, so both see the same machine
-        for fn in (gemms, both):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            c.sync()
-            times[fn].append(time.perf_counter() - t0)
-    exposed = statistics.fmean(times[both]) - statistics.fmean(times[gemms])
+    t_gemms, t_both = c.alternating((gemms, both), blocks=4)
+    exposed = t_both - t_gemms
     fraction = min(0.99, max(0.0, c.across_ranks(exposed) / comm))
     return 1.0 / (1.0 - fraction)
 
@@ -377,16 +384,8 @@ def _sync_us(c: _Ctx) -> dict[str, float]:
             dist.all_reduce(buf, group=group)
 
         both(), alone()  # warm-up
-        samples: dict[str, list[float]] = {"both": [], "alone": []}
-        for _ in range(blocks):
-            for key, fn in (("both", both), ("alone", alone)):
-                dist.barrier()
-                for _ in range(per_block):
-                    t0 = time.perf_counter()
-                    fn()
-                    c.sync()
-                    samples[key].append(time.perf_counter() - t0)
-        extra = statistics.fmean(samples["both"]) - t_gemm - statistics.fmean(samples["alone"])
+        t_both, t_alone = c.alternating((both, alone), blocks=blocks, per_block=per_block)
+        extra = t_both - t_gemm - t_alone
         out[link] = max(0.0, c.across_ranks(extra) * 1e6)
     return out
 
