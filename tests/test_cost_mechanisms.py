@@ -371,6 +371,32 @@ def test_cpu_ranks_beyond_the_cores_compute_at_their_share_and_pipelines_fill_th
     assert pp4_gpu.prediction.time.bubble_s > 0
 
 
+
+def test_tensor_parallel_collectives_pay_dtensors_measured_redistribute_cost_and_data_parallel_ones_do_not(llama):
+    """The runtime issues tensor-parallel collectives through DTensor's redistribute, FSDP2 its own directly: a
+    link's measured `redistribute_us` is added once per tensor-parallel collective (per micro-batch here: 2),
+    at the figure of the closest group size, and to no data-parallel plan."""
+    import dataclasses
+
+    base = ClusterSpec.parse("1x2xcpu")
+    extra = {k: [[2, 1000.0], [8, 5000.0]] for k in ("all_gather", "all_reduce", "reduce_scatter")}
+    slow = dataclasses.replace(base, intra=dataclasses.replace(base.intra, redistribute_us=extra))
+    assert slow.intra.redistribute_extra_us("all_reduce", 2) == 1000.0
+    assert slow.intra.redistribute_extra_us("all_reduce", 4) == 1000.0  # 2 ranks is the closer measurement
+    assert slow.intra.redistribute_extra_us("all_to_all", 2) == 0.0
+    for cfg, at_least in ((HandConfig(tp=2, micro_batch=2, global_batch=4), 4 * 4),
+                          (HandConfig(tp=2, sequence_parallel=True, micro_batch=2, global_batch=4), 4 * 4),
+                          (HandConfig(dp=2, micro_batch=2, global_batch=4), None)):
+        fast, _ = estimate(llama, base, cfg)
+        paid, _ = estimate(llama, slow, cfg)
+        delta_ms = (paid.prediction.iteration_time_s - fast.prediction.iteration_time_s) * 1e3
+        if at_least is None:
+            assert delta_ms == pytest.approx(0.0, abs=1e-9)
+            continue
+        collectives = delta_ms / 2  # per micro-batch, 1 ms each
+        assert collectives == pytest.approx(round(collectives), abs=1e-6) and collectives >= at_least
+
+
 # -- pipeline boundaries ---------------------------------------------------------------------------------------
 def _cuts(graph, cluster, **cfg):
     from autoshard.planner.evaluate import cut_sends

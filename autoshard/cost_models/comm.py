@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from autoshard.hardware_profiles.profiles import COLLECTIVES, LinkProfile
 
 __all__ = ["GroupPlacement", "group_placement", "collective_time_s", "bus_factor", "p2p_time_s", "ring_steps",
-           "step_overhead_s", "curve_busbw_gbps", "peak_busbw_gbps"]
+           "step_overhead_s", "curve_busbw_gbps", "peak_busbw_gbps", "redistribute_time_s"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,17 @@ def collective_time_s(collective: str, nbytes: float, group: GroupPlacement, clu
         return 0.0
     link = cluster.intra if nodes == 1 else cluster.inter
     return _collective_s(collective, nbytes, group, cluster) + link.sync_us * 1e-6
+
+
+def redistribute_time_s(collective: str, nbytes: float, group: GroupPlacement, cluster) -> float:
+    """`collective_time_s` of a collective a tensor-parallel plan issues through DTensor's `redistribute`: the
+    same, plus what that path costs beyond the raw call on the link (`LinkProfile.redistribute_us`, measured by
+    `autoshard profile`; 0 in the datasheet profiles)."""
+    t = collective_time_s(collective, nbytes, group, cluster)
+    if t == 0.0:
+        return t
+    link = cluster.intra if group.num_nodes == 1 else cluster.inter
+    return t + link.redistribute_extra_us(collective, group.size) * 1e-6
 
 
 def _collective_s(collective: str, nbytes: float, group: GroupPlacement, cluster) -> float:

@@ -130,6 +130,12 @@ class LinkProfile:
     # reach it at different times and the first wait for the last. Measured on CPU ranks, where the OS
     # schedules ranks that share cores; 0 where the collective runs on its own engine behind queued kernels.
     sync_us: float = 0.0
+    # Extra of a collective a tensor-parallel plan issues through DTensor's `redistribute` (the runtime's
+    # path) over the raw call the curves time, by collective and group size: in YAML
+    # `{all_gather: [[ranks, us], ...], ...}`. Measured on CPU ranks (`autoshard profile`); absent (0) in the
+    # datasheet profiles, whose published runs issue collectives directly (Megatron-LM) and whose host runs
+    # ahead of the GPU.
+    redistribute_us: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.scope not in ("intra", "inter"):
@@ -140,6 +146,15 @@ class LinkProfile:
         if any(v <= 0 for v in self.busbw_gbps.values()) or self.latency_us < 0:
             raise ValueError(f"link {self.name}: bandwidths must be positive and latency non-negative")
         object.__setattr__(self, "busbw_curve", _curves(self.name, self.busbw_curve))
+        object.__setattr__(self, "redistribute_us", _by_ranks(self.name, self.redistribute_us))
+
+    def redistribute_extra_us(self, collective: str, ranks: int) -> float:
+        """`redistribute_us` of `collective` at the measured group size closest to `ranks` (the larger on a tie),
+        0 where it was not measured."""
+        entries = self.redistribute_us.get(collective)
+        if not entries:
+            return 0.0
+        return min(entries, key=lambda e: (abs(e[0] - ranks), -e[0]))[1]
 
     def curve(self, collective: str, ranks: int | None = None):
         """(collective measured, its group size, ((bytes, busbw GB/s), ...)) closest to `ranks` ranks for
@@ -169,6 +184,22 @@ def _curves(link: str, raw: dict) -> dict:
                 raise ValueError(f"link {link}: busbw_curve[{coll}] needs ranks >= 2 and >= 2 positive points")
             parsed.append((ranks, pts))
         out[coll] = tuple(parsed)
+    return out
+
+
+def _by_ranks(link: str, raw: dict) -> dict:
+    """YAML `{collective: [[ranks, us], ...]}` -> `{collective: ((ranks, us), ...)}`, validated."""
+    out = {}
+    for coll, entries in (raw or {}).items():
+        if coll not in COLLECTIVES:
+            raise ValueError(f"link {link}: redistribute_us has unknown collective {coll!r}")
+        try:
+            pairs = tuple(sorted((int(r), float(us)) for r, us in entries))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"link {link}: redistribute_us[{coll}] must be [[ranks, microseconds], ...]") from exc
+        if not pairs or any(r < 2 or us < 0 for r, us in pairs):
+            raise ValueError(f"link {link}: redistribute_us[{coll}] needs ranks >= 2 and microseconds >= 0")
+        out[coll] = pairs
     return out
 
 

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autoshard.cost_models.comm import GroupPlacement, collective_time_s, group_placement, p2p_time_s
+from autoshard.cost_models.comm import (
+    GroupPlacement,
+    collective_time_s,
+    group_placement,
+    p2p_time_s,
+    redistribute_time_s,
+)
 from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION, BF16_MIXED, FP32, Precision
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.planner.layouts import MeshSpec
@@ -93,6 +99,17 @@ class PlanContext:
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = collective_time_s(collective, nbytes, self.group(axes), self.cluster)
+        return hit
+
+    def redistribute_s(self, collective: str, nbytes: float, axes: tuple[str, ...]) -> float:
+        """Seconds of one tensor-parallel collective over `axes`, issued as the runtime does, through DTensor's
+        `redistribute` (cost_models/comm.py `redistribute_time_s`; memoized)."""
+        if not axes or nbytes <= 0:
+            return 0.0
+        key = ("redistribute", collective, float(nbytes), axes)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = redistribute_time_s(collective, nbytes, self.group(axes), self.cluster)
         return hit
 
     def p2p_s(self, nbytes: float) -> float:

@@ -369,7 +369,7 @@ def _boundaries(graph, assign, ctx, pipe, stages) -> None:
         sender.p2p += wait
         receiver.p2p += wait
         if gather:
-            t = ctx.collective_s("all_gather", whole, gather)
+            t = ctx.redistribute_s("all_gather", whole, gather)
             sender.tp += t
             receiver.tp += t
 

@@ -221,9 +221,9 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
         gather_axes = tuple(a for a in mesh.tp_axes if pp.storage.get(a) != pp.compute.get(a))
         if gather_axes:  # 2D/3D weights: gathered per use, gradient reduce-scattered
             nb = at_compute * prec.param_bytes
-            t = ctx.collective_s("all_gather", nb, gather_axes)
+            t = ctx.redistribute_s("all_gather", nb, gather_axes)
             tp_f += t
-            tp_b += ctx.collective_s("reduce_scatter", at_compute * prec.grad_bytes, gather_axes)
+            tp_b += ctx.redistribute_s("reduce_scatter", at_compute * prec.grad_bytes, gather_axes)
             tp_b += t if st.save_sharded_input else 0.0
             transient = max(transient, nb)
             comm += [("all_gather", nb * (2 if st.save_sharded_input else 1)),
@@ -233,7 +233,7 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
             # collective per mesh axis (DTensor reduces a Partial placement dim by dim; measured on 3D's norms
             # and embedding, tests/distributed/test_runtime_families.py llama-3d)
             gb = local * prec.grad_bytes
-            tp_b += sum(ctx.collective_s("all_reduce", gb, (a,)) for a in partial_axes)
+            tp_b += sum(ctx.redistribute_s("all_reduce", gb, (a,)) for a in partial_axes)
             comm += [("all_reduce", gb)] * len(partial_axes)
         unit = max(1.0, (unit_numel or op.param_numel) / max(1, op.param_numel))
         f, b, i, g, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit)
@@ -372,7 +372,7 @@ def _norm_stats_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, f
     tokens = op.output_meta.numel // max(1, op.output_meta.shape[-1]) * ctx.micro_batch
     tokens /= max(1, _deg(st.inputs[0], ctx, _TOKEN))
     nb = tokens * 4  # one fp32 value per token
-    t = stats * ctx.collective_s("all_reduce", nb, feat_axes)
+    t = stats * ctx.redistribute_s("all_reduce", nb, feat_axes)
     return t, t, [("all_reduce", nb)] * (2 * stats)
 
 
@@ -484,14 +484,14 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
     comm: list[tuple[str, float]] = []
     for kind, axis, nbytes in _redistribution_steps({a: src.get(a) for a in axes},
                                                      {a: dst.get(a) for a in axes}, full, batch_on_dp, ctx):
-        t = ctx.collective_s(kind, nbytes, (axis,))
+        t = ctx.redistribute_s(kind, nbytes, (axis,))
         fwd += t
         comm.append((kind, nbytes))
         if regather and kind == "all_gather":
             bwd += t
             comm.append((kind, nbytes))
     for kind, axis, nbytes in _redistribution_steps(grad_from, grad_to, full, batch_on_dp, ctx):
-        bwd += ctx.collective_s(kind, nbytes, (axis,))
+        bwd += ctx.redistribute_s(kind, nbytes, (axis,))
         comm.append((kind, nbytes))
     if share != 1.0 and not regather:
         return EdgeCost(fwd * share, bwd * share, tuple((k, b * share) for k, b in comm))

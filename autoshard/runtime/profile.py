@@ -390,6 +390,62 @@ def _sync_us(c: _Ctx) -> dict[str, float]:
     return out
 
 
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its collective finished (DTensor returns functional collectives' outputs unwaited; the next op
+    that reads them waits)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+_REDISTRIBUTIONS = {  # collective -> (source, target) placements on the tensor-parallel mesh dim
+    "all_gather": ("S1", "R"), "all_reduce": ("P", "R"), "reduce_scatter": ("P", "S1")}
+
+
+def _redistribute_us(c: _Ctx) -> dict[str, dict[str, list[list[float]]]]:
+    """link -> collective -> [[group size, extra microseconds], ...]: what a collective costs beyond the raw
+    `dist` call the curves time when a tensor-parallel plan issues it, as the runtime does, through DTensor's
+    `redistribute` (runtime/dtensor_ext.py): a sequence shard gathered (Shard(1) -> Replicate), a partial sum
+    all-reduced (Partial -> Replicate) or reduce-scattered (Partial -> Shard(1)), 64 KB per rank as a small
+    model's activations, on a (dp, tp) mesh whose tp groups are the measured groups. Redistribute and the same
+    raw collective on the same bytes run in alternating blocks; each the mean of its calls, the median over
+    ranks.
+
+    DTensor's path adds host work (placement logic, functional collectives, the wait, for Shard(1) the chunks
+    and the concatenation back to dim 1). On GPUs it runs ahead of the kernels; on CPU ranks that share cores
+    it is time the other ranks of the group wait for. Measured on this project's 2-core VM (2026-11-26, means
+    of 60 calls, three rounds): 2 ranks Shard(1) -> Replicate +0-0.85 ms and Partial -> Replicate +0.3-0.5 ms
+    over the raw call; 2-rank groups in a 4-rank world +0.8-2.2 ms and +1.7-4.3 ms."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    place = {"S1": Shard(1), "R": Replicate(), "P": Partial()}
+    local = (2, 32, 256)  # fp32: 64 KB
+    blocks, per_block = (4, 8) if c.quick else (8, 16)
+    out: dict[str, dict[str, list[list[float]]]] = {}
+    for link, g, _partition in _groups(c):
+        if link != "intra":
+            continue  # tensor parallelism stays inside a node
+        mesh = init_device_mesh(c.device.type, (c.world // g, g), mesh_dim_names=("dp", "tp"))
+        tp = mesh.get_group("tp")
+        for name, (src, dst) in _REDISTRIBUTIONS.items():
+            x = DTensor.from_local(torch.ones(local, device=c.device), mesh, [Replicate(), place[src]],
+                                   run_check=False)
+            target = [Replicate(), place[dst]]
+            nbytes = x.to_local().numel() * 4 * (g if name == "all_gather" else 1)
+            raw = _collective(name, nbytes, tp, g, c.device)
+
+            def redistribute(x=x, target=target, mesh=mesh):
+                return _waited(x.redistribute(mesh, target).to_local())
+
+            redistribute(), raw()  # warm-up
+            t_dtensor, t_raw = c.alternating((redistribute, raw), blocks=blocks, per_block=per_block)
+            extra = max(0.0, c.across_ranks(t_dtensor - t_raw) * 1e6)
+            out.setdefault(link, {}).setdefault(name, []).append([g, round(extra, 3)])
+        c.say(f"DTensor redistribute on groups of {g}")
+    return out
+
+
 def _p2p(c: _Ctx) -> list[list[float]]:
     """Send/recv between rank pairs (rank r with r xor 1), both directions at once: bytes, GB/s one way."""
     peer = c.rank ^ 1
@@ -406,7 +462,8 @@ def _p2p(c: _Ctx) -> list[list[float]]:
     return points
 
 
-def _link(name: str, scope: str, curves: dict[str, list], p2p: list, where: str, sync_us: float) -> dict:
+def _link(name: str, scope: str, curves: dict[str, list], p2p: list, where: str, sync_us: float,
+          redistribute_us: dict | None = None) -> dict:
     largest = {coll: max(entries, key=lambda e: e["ranks"]) for coll, entries in curves.items()}
     busbw = {coll: max(p[1] for p in e["points"]) for coll, e in largest.items()}
     busbw["p2p"] = max(p[1] for p in p2p) if p2p else busbw["broadcast"]
@@ -418,8 +475,10 @@ def _link(name: str, scope: str, curves: dict[str, list], p2p: list, where: str,
         curve["p2p"] = [{"ranks": 2, "points": p2p}]
     src = f"measured by `autoshard profile` {where}"
     return {"name": name, "scope": scope, "busbw_gbps": busbw, "latency_us": round(latency_us, 3),
-            "sync_us": round(sync_us, 3), "busbw_curve": curve,
-            "sources": {"sync_us": src + ": GEMMs then a small all-reduce, over the GEMMs at the core share "
+            "sync_us": round(sync_us, 3), "busbw_curve": curve, "redistribute_us": redistribute_us or {},
+            "sources": {"redistribute_us": src + ": DTensor redistribute over the same raw collective, 64 KB "
+                                                 "per rank, by tp group size",
+                        "sync_us": src + ": GEMMs then a small all-reduce, over the GEMMs at the core share "
                                    "and the all-reduce alone",
                         "busbw_gbps": src + ": the best busbw over message sizes, largest group",
                         "latency_us": src + ": smallest all-reduce / its ring steps",
@@ -495,10 +554,12 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
     c.say("attention, DTensor dispatch, overlap")
     curves = _collectives(c)
     sync = _sync_us(c)
+    redistribute = _redistribute_us(c)
     p2p = _p2p(c) if c.world % 2 == 0 else []
     if c.rank != 0:
         return None
-    intra = _link("measured-intra", "intra", curves["intra"], p2p, where, sync.get("intra", 0.0))
+    intra = _link("measured-intra", "intra", curves["intra"], p2p, where, sync.get("intra", 0.0),
+                  redistribute.get("intra", {}))
     inter = (_link("measured-inter", "inter", curves["inter"], [], where, sync["inter"]) if curves["inter"] else
              {**intra, "name": "measured-inter", "scope": "inter",
               "sources": {k: v + " (one host: its network is its local link)" for k, v in intra["sources"].items()}})
