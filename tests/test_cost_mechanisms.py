@@ -397,6 +397,23 @@ def test_tensor_parallel_collectives_pay_dtensors_measured_redistribute_cost_and
         assert collectives == pytest.approx(round(collectives), abs=1e-6) and collectives >= at_least
 
 
+
+def test_a_measured_curve_that_peaks_mid_size_is_reproduced_at_every_measured_size():
+    """gloo on CPU ranks peaks at a few MB and falls beyond; the ring model's bandwidth is the curve's best point,
+    so a mid-size collective is not priced at the largest one's bandwidth (it was: 2.4x too slow at 8 MB)."""
+    import dataclasses
+
+    from autoshard.cost_models.comm import GroupPlacement, bus_factor, collective_time_s
+
+    base = ClusterSpec.parse("1x4xcpu")
+    points = [[1 << 20, 0.2], [8 << 20, 0.5], [32 << 20, 0.25]]
+    intra = dataclasses.replace(base.intra, sync_us=0.0, latency_us=0.0, busbw_curve={"all_gather": [{"ranks": 4, "points": points}]})
+    cluster = dataclasses.replace(base, intra=intra)
+    for nbytes, busbw in points:
+        want = nbytes * bus_factor("all_gather", 4) / (busbw * 1e9)
+        assert collective_time_s("all_gather", nbytes, GroupPlacement(4, 4), cluster) == pytest.approx(want, rel=1e-6)
+
+
 # -- pipeline boundaries ---------------------------------------------------------------------------------------
 def _cuts(graph, cluster, **cfg):
     from autoshard.planner.evaluate import cut_sends

@@ -115,16 +115,25 @@ def step_overhead_s(link: LinkProfile, collective: str, chunk_bytes: float, rank
     total = chunk_bytes * n0
     factor = bus_factor(measured, n0)
     t = total * factor / (curve_busbw_gbps(points, total) * 1e9)
-    t_bw = total * factor / (points[-1][1] * 1e9)
+    t_bw = total * factor / (_best_gbps(points) * 1e9)
     return max(floor, (t - t_bw) / ring_steps(measured, n0))
 
 
+def _best_gbps(points: tuple[tuple[float, float], ...]) -> float:
+    """The highest busbw of a measured curve: its large-message bandwidth B. nccl-tests curves rise to it at their
+    largest sizes; gloo's on CPU ranks peak at a few MB and fall beyond (memory traffic outgrows the caches:
+    all-gather on 4 ranks of this project's VM 0.49 GB/s at 8 MB, 0.25 at 32 MB, 2026-11-26). Taking the last
+    point as B priced every smaller collective at the largest one's bandwidth, 2.4x too slow at 8 MB; with the
+    best, the rest of the curve is overhead and the measured curve is reproduced at every size."""
+    return max(p[1] for p in points)
+
+
 def peak_busbw_gbps(link: LinkProfile, collective: str, ranks: int | None = None) -> float:
-    """Large-message bus bandwidth of `collective` on groups of `ranks`: the largest size of its own measured
-    curve (NVLink SHARP all-reduce only reaches its peak on 8 GPUs, nccl #1455), else the profile's figure."""
+    """Large-message bus bandwidth of `collective` on groups of `ranks`: the best point of its own measured curve
+    (`_best_gbps`; NVLink SHARP all-reduce only reaches its peak on 8 GPUs, nccl #1455), else the profile's figure."""
     found = link.curve(collective, ranks)
     if found is not None and found[0] == collective:
-        return found[2][-1][1]
+        return _best_gbps(found[2])
     return link.busbw_gbps[collective]
 
 
