@@ -212,18 +212,60 @@ def _attention(c: _Ctx, peak_tflops: float) -> tuple[float, float, list[list[flo
     return dict(by_seq)[s], efficiency(s, attn_mask=mask), by_seq
 
 
-def _dtensor_us(c: _Ctx) -> float:
-    """Extra host microseconds of an op on replicated DTensors over the same op on plain tensors, on one
-    core's worth of CPU (measured on every rank, which the mesh needs, and scaled by the core share)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+def _block_step(x: torch.Tensor, w: dict[str, torch.Tensor], heads: int) -> None:
+    """Forward + backward of a small pre-norm transformer block written as its ATen-level ops (norm, fused qkv
+    projection, views, fused attention, output projection, residuals, GeLU MLP), as a model's blocks run."""
+    import torch.nn.functional as F
 
+    b, s, h = x.shape
+    y = F.layer_norm(x, (h,), w["ln"], None)
+    q, k, v = F.linear(y, w["qkv"]).view(b, s, 3, heads, h // heads).permute(2, 0, 3, 1, 4).unbind(0)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+    x = x + F.linear(a, w["proj"])
+    x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (h,), w["ln2"], None), w["fc"])), w["out"])
+    x.sum().backward()
+
+
+def _dtensor_us(c: _Ctx) -> float:
+    """Extra host microseconds per op dispatched on DTensors over the same ops on plain tensors, on one core's
+    worth of CPU (measured on every rank, which the mesh needs, and scaled by the core share): a transformer
+    block's forward + backward (`_block_step`) with its input sharded over the batch and its weights replicated
+    (a pipeline stage's or a data-parallel slice's view; no collective runs), over the ATen ops it dispatches
+    below autograd (counted on the plain tensors; DTensor dispatches each of them).
+
+    An op's cost on DTensors depends on the op: sharding propagation of a view or an attention kernel costs more
+    than of an add. The earlier figure, an add on replicated 16-element DTensors, came out 17 us on 4 ranks of this
+    project's VM while DTensor's dispatch (`PythonSubclass` self time under torch.profiler, 974 dispatches a
+    step) took 105 us per dispatch in a pp=2 x dp=2 Llama step (2026-11-26)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoshard.runtime.dtensor_ext import register_dtensor_rules
+
+    register_dtensor_rules()  # the CPU attention kernel's sharding rule, as the runtime registers it
+    h, heads = 64, 4
     mesh = init_device_mesh(c.device.type, (c.world,))
-    a = distribute_tensor(torch.ones(16, device=c.device), mesh, [Replicate()])
-    plain = torch.ones(16, device=c.device)
-    t_d = c.busy(lambda: [torch.add(a, a) for _ in range(50)], every_rank=True) / 50
-    t_p = c.busy(lambda: [torch.add(plain, plain) for _ in range(50)], every_rank=True) / 50
-    return max(0.0, (t_d - t_p) * 1e6 * c.share)
+    torch.manual_seed(0)
+    shapes = {"ln": (h,), "ln2": (h,), "qkv": (3 * h, h), "proj": (h, h), "fc": (4 * h, h), "out": (h, 4 * h)}
+    plain_w = {k: torch.randn(v, device=c.device, requires_grad=True) for k, v in shapes.items()}
+    dt_w = {k: distribute_tensor(v.detach(), mesh, [Replicate()]).requires_grad_() for k, v in plain_w.items()}
+    plain_x = torch.randn(2, 16, h, device=c.device, requires_grad=True)
+    dt_x = DTensor.from_local(torch.randn(2, 16, h, device=c.device), mesh, [Shard(0)], run_check=False)
+    dt_x.requires_grad_()
+
+    class Count(TorchDispatchMode):  # ATen ops below autograd: what DTensor dispatches one by one
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        _block_step(plain_x, plain_w, heads)
+    t_d = c.busy(lambda: _block_step(dt_x, dt_w, heads), every_rank=True)
+    t_p = c.busy(lambda: _block_step(plain_x, plain_w, heads), every_rank=True)
+    return max(0.0, (t_d - t_p) / max(1, Count.ops) * 1e6 * c.share)
 
 
 def _fsdp_us(c: _Ctx) -> float:
