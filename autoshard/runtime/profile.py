@@ -13,13 +13,15 @@ time: a step adds its operations' times) and then the median over ranks.
     memory      GB/s of a streaming kernel (read + write) and the cost of one tiny kernel (dispatch + launch)
     attention   scaled_dot_product_attention forward + backward, causal (also by sequence length) and masked:
                 fraction of peak
-    host        per ATen op as autograd runs it; the extra of an op on DTensors (tensor-parallel plans run their
-                ops on them); per module an FSDP unit manages, per forward + backward; per parameter tensor of
-                an AdamW step on FSDP's DTensor parameters
+    host        per ATen op as autograd runs it; the extra of an op on DTensors (tensor-parallel plans and
+                pipeline stages of several ranks run their ops on them), over a transformer block's forward +
+                backward; per module an FSDP unit manages, per forward + backward; per parameter tensor of an
+                AdamW step on FSDP's DTensor parameters
     overlap     how much of an all-reduce started beside GEMMs is exposed (on GPUs: the GEMMs' slowdown; on
                 CPU ranks, gloo's threads wait for the cores the GEMMs hold)
     collectives bus bandwidth of all-reduce, all-gather, reduce-scatter, all-to-all, broadcast by message size
-                per group size inside a node and, on several nodes, one rank per node; p2p send/recv
+                per group size inside a node and, on several nodes, one rank per node; p2p send/recv; what
+                DTensor's redistribute adds to a tensor-parallel all-gather, all-reduce, reduce-scatter
 
 The result is a cluster YAML (`hardware_profiles/cluster_file.py` format) whose GPU and links are these
 measurements, each with its source line; `--cluster FILE` takes it, and `NODESxGPUS@FILE` reuses it for

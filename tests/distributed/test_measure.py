@@ -29,7 +29,7 @@ def test_measure_runs_a_plan_on_two_ranks_and_reports_measured_beside_predicted(
     assert report["error_pct"] == (report["predicted_s"] - step["median_s"]) / step["median_s"] * 100
 
 
-def test_profile_quick_on_two_ranks_writes_the_median_of_its_rounds_and_prices_attention_by_sequence_length(
+def test_profile_quick_on_two_ranks_writes_the_median_of_its_rounds_and_measures_attention_and_dtensor_costs(
         tmp_path):
     out_file = tmp_path / "cluster.yaml"
     run, logs = run_torchrun(["profile", "--quick", "--rounds", "2", "-o", str(out_file)], nproc=2, workdir=tmp_path)
@@ -46,6 +46,11 @@ def test_profile_quick_on_two_ranks_writes_the_median_of_its_rounds_and_prices_a
     # two rounds, each number their median, and every measured figure says so
     assert all(s.endswith("(median of 2 rounds)") for s in gpu.sources.values() if s.startswith("measured"))
     assert cluster.intra.sources["busbw_curve"].endswith("(median of 2 rounds)")
+    # DTensor's costs, which tensor-parallel and pipelined-SPMD plans pay: per op of a block, and per
+    # redistribute kind on the 2-rank tp group
+    assert gpu.dtensor_us_per_op > 0
+    assert {k: [r for r, _ in v] for k, v in cluster.intra.redistribute_us.items()} == {
+        "all_gather": [2], "all_reduce": [2], "reduce_scatter": [2]}
     est = subprocess.run([sys.executable, "-m", "autoshard.cli", "estimate",
                           "gpt:layers=2,hidden=64,heads=4,seq=256,vocab=128,attn=flash", "--cluster", str(out_file),
                           "--dp", "2", "--micro-batch", "1", "--global-batch", "2", "--json"],
