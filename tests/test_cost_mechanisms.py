@@ -371,7 +371,6 @@ def test_cpu_ranks_beyond_the_cores_compute_at_their_share_and_pipelines_fill_th
     assert pp4_gpu.prediction.time.bubble_s > 0
 
 
-
 def test_tensor_parallel_collectives_pay_dtensors_measured_redistribute_cost_and_data_parallel_ones_do_not(llama):
     """The runtime issues tensor-parallel collectives through DTensor's redistribute, FSDP2 its own directly: a
     link's measured `redistribute_us` is added once per tensor-parallel collective (per micro-batch here: 2),
@@ -397,7 +396,6 @@ def test_tensor_parallel_collectives_pay_dtensors_measured_redistribute_cost_and
         assert collectives == pytest.approx(round(collectives), abs=1e-6) and collectives >= at_least
 
 
-
 def test_a_measured_curve_that_peaks_mid_size_is_reproduced_at_every_measured_size():
     """gloo on CPU ranks peaks at a few MB and falls beyond; the ring model's bandwidth is the curve's best point,
     so a mid-size collective is not priced at the largest one's bandwidth (it was: 2.4x too slow at 8 MB)."""
@@ -407,7 +405,8 @@ def test_a_measured_curve_that_peaks_mid_size_is_reproduced_at_every_measured_si
 
     base = ClusterSpec.parse("1x4xcpu")
     points = [[1 << 20, 0.2], [8 << 20, 0.5], [32 << 20, 0.25]]
-    intra = dataclasses.replace(base.intra, sync_us=0.0, latency_us=0.0, busbw_curve={"all_gather": [{"ranks": 4, "points": points}]})
+    curve = {"all_gather": [{"ranks": 4, "points": points}]}
+    intra = dataclasses.replace(base.intra, sync_us=0.0, latency_us=0.0, busbw_curve=curve)
     cluster = dataclasses.replace(base, intra=intra)
     for nbytes, busbw in points:
         want = nbytes * bus_factor("all_gather", 4) / (busbw * 1e9)

@@ -93,23 +93,20 @@ class PlanContext:
 
     def collective_s(self, collective: str, nbytes: float, axes: tuple[str, ...]) -> float:
         """Seconds of one collective over the group spanned by `axes` (memoized: the ILP asks often)."""
-        if not axes or nbytes <= 0:
-            return 0.0
-        key = (collective, float(nbytes), axes)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = self._cache[key] = collective_time_s(collective, nbytes, self.group(axes), self.cluster)
-        return hit
+        return self._comm_s(collective_time_s, collective, nbytes, axes)
 
     def redistribute_s(self, collective: str, nbytes: float, axes: tuple[str, ...]) -> float:
         """Seconds of one tensor-parallel collective over `axes`, issued as the runtime does, through DTensor's
         `redistribute` (cost_models/comm.py `redistribute_time_s`; memoized)."""
+        return self._comm_s(redistribute_time_s, collective, nbytes, axes)
+
+    def _comm_s(self, time_s, collective: str, nbytes: float, axes: tuple[str, ...]) -> float:
         if not axes or nbytes <= 0:
             return 0.0
-        key = ("redistribute", collective, float(nbytes), axes)
+        key = (time_s.__name__, collective, float(nbytes), axes)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = redistribute_time_s(collective, nbytes, self.group(axes), self.cluster)
+            hit = self._cache[key] = time_s(collective, nbytes, self.group(axes), self.cluster)
         return hit
 
     def p2p_s(self, nbytes: float) -> float:

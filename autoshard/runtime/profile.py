@@ -260,14 +260,14 @@ def _dtensor_us(c: _Ctx) -> float:
         ops = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
+            self.ops += 1
             return func(*args, **(kwargs or {}))
 
-    with Count():
+    with Count() as count:
         _block_step(plain_x, plain_w, heads)
     t_d = c.busy(lambda: _block_step(dt_x, dt_w, heads), every_rank=True)
     t_p = c.busy(lambda: _block_step(plain_x, plain_w, heads), every_rank=True)
-    return max(0.0, (t_d - t_p) / max(1, Count.ops) * 1e6 * c.share)
+    return max(0.0, (t_d - t_p) / max(1, count.ops) * 1e6 * c.share)
 
 
 def _fsdp_us(c: _Ctx) -> float:
@@ -442,10 +442,6 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-_REDISTRIBUTIONS = {  # collective -> (source, target) placements on the tensor-parallel mesh dim
-    "all_gather": ("S1", "R"), "all_reduce": ("P", "R"), "reduce_scatter": ("P", "S1")}
-
-
 def _redistribute_us(c: _Ctx) -> dict[str, dict[str, list[list[float]]]]:
     """link -> collective -> [[group size, extra microseconds], ...]: what a collective costs beyond the raw
     `dist` call the curves time when a tensor-parallel plan issues it, as the runtime does, through DTensor's
@@ -463,7 +459,9 @@ def _redistribute_us(c: _Ctx) -> dict[str, dict[str, list[list[float]]]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    place = {"S1": Shard(1), "R": Replicate(), "P": Partial()}
+    redistributions = {  # collective -> (source, target) placement on the tensor-parallel mesh dim
+        "all_gather": (Shard(1), Replicate()), "all_reduce": (Partial(), Replicate()),
+        "reduce_scatter": (Partial(), Shard(1))}
     local = (2, 32, 256)  # fp32: 64 KB
     blocks, per_block = (4, 8) if c.quick else (8, 16)
     out: dict[str, dict[str, list[list[float]]]] = {}
@@ -472,11 +470,10 @@ def _redistribute_us(c: _Ctx) -> dict[str, dict[str, list[list[float]]]]:
             continue  # tensor parallelism stays inside a node
         mesh = init_device_mesh(c.device.type, (c.world // g, g), mesh_dim_names=("dp", "tp"))
         tp = mesh.get_group("tp")
-        for name, (src, dst) in _REDISTRIBUTIONS.items():
-            x = DTensor.from_local(torch.ones(local, device=c.device), mesh, [Replicate(), place[src]],
-                                   run_check=False)
-            target = [Replicate(), place[dst]]
-            nbytes = x.to_local().numel() * 4 * (g if name == "all_gather" else 1)
+        for name, (src, dst) in redistributions.items():
+            x = DTensor.from_local(torch.ones(local, device=c.device), mesh, [Replicate(), src], run_check=False)
+            target = [Replicate(), dst]
+            nbytes = math.prod(local) * 4 * (g if name == "all_gather" else 1)
             raw = _collective(name, nbytes, tp, g, c.device)
 
             def redistribute(x=x, target=target, mesh=mesh):
