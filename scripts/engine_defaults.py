@@ -23,7 +23,6 @@ import contextlib
 import csv
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -53,23 +52,21 @@ def dev_rows() -> list[tuple[dict, object, float]]:
 
 def price(rows: list[tuple[dict, object, float]], extra: list[str]) -> dict:
     """The bar's figures with `extra` added to every row's call."""
-    errs: dict[str, list[float]] = {}
-    failed = []
+    recs, failed = [], []
     for r, parsed, measured in rows:
         try:
             got, _ = vp._estimate(r, parsed, extra)
         except Exception:  # noqa: BLE001 - a row estimate rejects counts against the engine, as in the tool
             failed.append(r["id"])
             continue
-        errs.setdefault(vp.tool.group_of(r["id"]), []).append(100 * (got["iteration_time_s"] / measured - 1))
-    every = [e for v in errs.values() for e in v]
-    by_group = {g: {"rows": len(v), "mape": statistics.fmean(map(abs, v)), "signed": statistics.fmean(v)}
-                for g, v in errs.items()}
-    worst = max(by_group, key=lambda g: abs(by_group[g]["signed"]))
-    return {"options": " ".join(extra) or "(defaults)", "mape": statistics.fmean(map(abs, every)),
-            "not_predicted": failed, "groups": by_group, "worst_group": worst,
-            "passes": (not failed and statistics.fmean(map(abs, every)) <= MAX_MAPE
-                       and all(abs(g["signed"]) <= MAX_BIAS for g in by_group.values()))}
+        recs.append({"group": vp.tool.group_of(r["id"]),
+                     "error_pct": 100 * (got["iteration_time_s"] / measured - 1)})
+    by_group = {g: {"rows": sum(1 for r in recs if r["group"] == g), "mape": vp.mape(recs, g),
+                    "signed": vp.signed(recs, g)} for g in dict.fromkeys(r["group"] for r in recs)}
+    mape = vp.mape(recs)
+    return {"options": " ".join(extra) or "(defaults)", "mape": mape, "not_predicted": failed, "groups": by_group,
+            "worst_group": max(by_group, key=lambda g: abs(by_group[g]["signed"])),
+            "passes": not failed and mape <= MAX_MAPE and all(abs(g["signed"]) <= MAX_BIAS for g in by_group.values())}
 
 
 def _markdown(results: list[dict]) -> str:
