@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace as dc_replace
+
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.models.names import is_zoo_or_spec, resolve_spec
 from autoshard.planner.estimate import HandConfig, estimate
@@ -29,7 +31,7 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
                     zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False,
                     zero_impl: str = "fsdp2",
                     tp_comm_overlap: str | bool = "", allocator: str = "expandable", precision: str | None = None,
-                    check_memory: bool = True):
+                    cp: int = 1, cp_attention: str = "allgather", check_memory: bool = True):
     """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
 
     `attention` for zoo and spec models: "flash" (causal FlashAttention-2, what PyTorch SDPA, Megatron-Core,
@@ -49,12 +51,16 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     autoshard's runtime set it) or "caching" (the default; about 15% of per-step memory lost to fragmentation).
     `precision`: another engine's (`cost_models.memory.PRECISIONS`, e.g. "bf16-mixed-16bit-grads": DeepSpeed's
     and Megatron's fp16 engines hold and reduce 16-bit gradients); default: what autoshard's runtime runs.
+    `cp`: context parallelism, each sequence's tokens over cp ranks (tp x pp x dp x cp GPUs); `cp_attention`:
+    how attention gets the other ranks' keys and values, "allgather" (what autoshard's runtime runs, as Llama 3
+    did) or "ring" (ring attention: torch's SDPA context_parallel, Megatron-Core); cost_models/context_parallel.py.
     """
     attention = resolve_attention(model, attention)
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
               recompute=recompute, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
               schedule=schedule, zero=zero, fused_kernels=fused_kernels, fused_loss=fused_loss,
-              zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision)
+              zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision,
+              cp=cp, cp_attention=cp_attention)
     return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
 
@@ -73,18 +79,29 @@ def capture_ref(ref, *, seq: int | None = None, attn: str | None = None):
 
 def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
               virtual_stages, schedule, zero, attn, check_memory, fused_kernels, fused_loss, zero_impl,
-              tp_comm_overlap, allocator, precision=None):
+              tp_comm_overlap, allocator, precision=None, cp=1, cp_attention="allgather"):
     cluster = resolve_cluster(cluster)
+    require_positive("cp", cp)
     if dp is None:
-        if cluster.num_gpus % (tp * pp):
-            raise ConfigurationError(f"tp x pp = {tp * pp} does not divide the {cluster.num_gpus} GPUs of {cluster}")
-        dp = cluster.num_gpus // (tp * pp)
-    cfg = HandConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
+        if cluster.num_gpus % (tp * pp * cp):
+            what = "tp x pp x cp" if cp > 1 else "tp x pp"
+            raise ConfigurationError(f"{what} = {tp * pp * cp} does not divide the {cluster.num_gpus} GPUs of {cluster}")
+        dp = cluster.num_gpus // (tp * pp * cp)
+    cfg = HandConfig(tp=tp, pp=pp, dp=dp, cp=cp, cp_attention=cp_attention, micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
                      sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero,
                      fused_kernels=fused_kernels, fused_loss=fused_loss, zero_impl=zero_impl,
                      tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision)
     graph = capture_ref(model, seq=seq, attn=attn)
+    if cp > 1:  # priced on the rank-local graph; the plan names the model as the user runs it
+        full = graph
+        if full.seq_len is None or full.seq_len % (2 * cp):
+            raise ConfigurationError(f"cp={cp} cuts each sequence into {2 * cp} equal chunks (two per rank); "
+                                     f"the sequence length {full.seq_len} is not a multiple of {2 * cp}",
+                                     params=("cp", "seq"))
+        graph = capture_ref(model, seq=full.seq_len // cp, attn=attn)
     plan, _ = estimate(graph, cluster, cfg)
+    if cp > 1:
+        plan = dc_replace(plan, model=full.model_name, fingerprint=full.fingerprint())
     need = plan.prediction.memory.total_bytes
     if check_memory and need > cluster.device_memory_bytes:
         fixes, params = _memory_fixes(cfg)

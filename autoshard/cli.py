@@ -118,7 +118,7 @@ def _cmd_estimate(args) -> int:
         global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
         zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels, fused_loss=args.fused_loss,
-        zero_impl=args.zero_impl,
+        zero_impl=args.zero_impl, cp=args.cp, cp_attention=args.cp_attention,
         tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator)
     args.progress.close()
     pred = plan.prediction
@@ -128,7 +128,7 @@ def _cmd_estimate(args) -> int:
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             "recompute": plan.recompute, "fused_kernels": args.fused_kernels, "fused_loss": args.fused_loss,
-            "zero_impl": args.zero_impl,
+            "zero_impl": args.zero_impl, "cp": args.cp, "cp_attention": args.cp_attention,
             "tp_comm_overlap": args.tp_comm_overlap or "none",
             **prediction_json(pred), "warnings": _warnings(pred, cluster, plan)}
     from autoshard.planner.explain import batch_label, recompute_label
@@ -136,7 +136,8 @@ def _cmd_estimate(args) -> int:
     head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch "
             f"{batch_label(plan.micro_batch, plan.num_microbatches)}, "
             f"recompute {recompute_label(plan.recompute, plan.attention)}, attention {data['attention']}"
-            + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")]
+            + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")
+            + (f", context parallel {plan.mesh.degree('cp')} ({args.cp_attention} K/V)" if args.cp > 1 else "")]
     per_chunk = data["pipeline"]["layers_per_chunk"]
     if len(set(per_chunk)) > 1:
         head.append(f"layers per chunk {','.join(map(str, per_chunk))} (the layers do not divide evenly: "
@@ -343,7 +344,7 @@ def _check_args(args) -> None:
     """Checks that need no model: sizes, the cluster, the search space and output paths."""
     from autoshard.errors import require_positive
 
-    ints = {"inspect": ("seq", "batch"), "estimate": ("tp", "pp", "dp", "micro_batch", "global_batch", "seq",
+    ints = {"inspect": ("seq", "batch"), "estimate": ("tp", "pp", "dp", "cp", "micro_batch", "global_batch", "seq",
                                                       "virtual_stages"), "plan": ("global_batch", "seq")}
     for name in ints.get(args.command, ()):
         if getattr(args, name) is not None:
@@ -365,6 +366,7 @@ def _check_args(args) -> None:
     if args.command == "estimate" and args.output:
         other = [flag for flag, on in (("--fused-kernels", args.fused_kernels), ("--fused-loss", args.fused_loss),
                                        ("--zero-impl", args.zero_impl != "fsdp2"),
+                                       ("--cp-attention ring", args.cp_attention == "ring"),
                                        ("--tp-comm-overlap", bool(args.tp_comm_overlap))) if on]
         if other:  # measure compares a run of the runtime with the plan's prediction: it must be the runtime's
             from autoshard.errors import ConfigurationError
@@ -414,7 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cluster", required=True, help="NODESxGPUSxGPU[@NETWORK] or a cluster YAML file")
     e.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron 1D)")
     e.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    e.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: GPUs / (tp x pp))")
+    e.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: GPUs / (tp x pp x cp))")
+    e.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: each sequence's tokens over cp ranks, two of 2 x cp chunks per "
+                        "rank (head-tail, for a causal mask's balance); everything but attention runs on the "
+                        "rank's tokens, attention gathers the keys and values of the others")
+    e.add_argument("--cp-attention", choices=("allgather", "ring"), default="allgather",
+                   help="how context-parallel attention gets the other ranks' keys and values: allgather (K/V "
+                        "all-gathered before, their gradients reduce-scattered after; Llama 3, and what "
+                        "autoshard's runtime runs) or ring (passed around the cp ranks beside the attention "
+                        "blocks: ring attention, torch's SDPA context_parallel, Megatron-Core)")
     e.add_argument("--micro-batch", type=int, default=1)
     e.add_argument("--global-batch", type=int, required=True)
     e.add_argument("--seq", type=int, default=None, help=_SEQ_HELP)

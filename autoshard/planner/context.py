@@ -15,6 +15,7 @@ from autoshard.cost_models.comm import (
     p2p_time_s,
     redistribute_time_s,
 )
+from autoshard.cost_models.context_parallel import CP_ATTENTION
 from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION, BF16_MIXED, FP32, Precision
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.planner.layouts import MeshSpec
@@ -53,6 +54,12 @@ class PlanContext:
     # "deepspeed-2021" (DeepSpeed before its mid-2021 rewrite; estimate only)
     zero_impl: str = "fsdp2"
     allocator: str = "expandable"  # PyTorch CUDA allocator mode (cost_models/memory.py ALLOCATOR_FRAGMENTATION)
+    # context parallelism: `mesh` is the plan's mesh with cp folded into dp (MeshSpec.folded_cp), the graph the
+    # rank-local one (seq / cp tokens), and attention's own traffic runs on the cp group, cp ranks at the
+    # stride of the tensor-parallel group, by `cp_attention` (cost_models/context_parallel.py)
+    cp: int = 1
+    cp_attention: str = "allgather"
+    cp_kv_fraction: float = 1.0  # key/value heads per query head (contract.kv_head_fraction): what cp moves
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +71,9 @@ class PlanContext:
             raise ValueError(f"unknown zero_impl {self.zero_impl!r}; use one of {', '.join(ZERO_IMPLS)}")
         if self.allocator not in ALLOCATOR_FRAGMENTATION:
             raise ValueError(f"unknown allocator {self.allocator!r}; use one of {', '.join(ALLOCATOR_FRAGMENTATION)}")
+        if self.cp < 1 or self.cp_attention not in CP_ATTENTION:
+            raise ValueError(f"cp must be >= 1 and cp_attention one of {CP_ATTENTION}, got {self.cp}, "
+                             f"{self.cp_attention!r}")
         if self.mesh.size > self.cluster.num_gpus:
             raise ValueError(f"mesh {self.mesh} needs {self.mesh.size} GPUs; the cluster has {self.cluster.num_gpus}")
 
@@ -108,6 +118,29 @@ class PlanContext:
         if hit is None:
             hit = self._cache[key] = time_s(collective, nbytes, self.group(axes), self.cluster)
         return hit
+
+    @property
+    def cp_group(self) -> GroupPlacement:
+        """Placement of a cp group: cp ranks spaced by the tensor-parallel degree (cp sits just inside dp)."""
+        key = ("cp_group",)
+        if key not in self._cache:
+            self._cache[key] = group_placement([(self.mesh.tp_degree, self.cp)], self.cluster.gpus_per_node)
+        return self._cache[key]
+
+    def cp_collective_s(self, collective: str, nbytes: float) -> float:
+        """Seconds of one collective over the cp group (memoized)."""
+        if self.cp == 1 or nbytes <= 0:
+            return 0.0
+        key = ("cp", collective, float(nbytes))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = collective_time_s(collective, nbytes, self.cp_group, self.cluster)
+        return hit
+
+    def cp_p2p_s(self, nbytes: float) -> float:
+        """One ring step's send to the next cp rank: across nodes when the ring leaves a node."""
+        same = self.mesh.tp_degree * self.cp <= self.cluster.gpus_per_node
+        return p2p_time_s(nbytes, self.cluster, same_node=same)
 
     def p2p_s(self, nbytes: float) -> float:
         """Send between neighbouring pipeline stages (same node when pp's stride fits in one node)."""

@@ -30,7 +30,7 @@ import math
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.planner.cache import graph_cache
 
-__all__ = ["attention_kernel", "ATTENTION_KERNELS", "spmd_blocker", "expert_ops", "attention_head_counts", "projection_head_slices", "largest_head_divisor",
+__all__ = ["attention_kernel", "ATTENTION_KERNELS", "spmd_blocker", "expert_ops", "attention_head_counts", "kv_head_fraction", "projection_head_slices", "largest_head_divisor",
            "pipeline_blocker", "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
 
 # autoshard's own test models whose chunk forwards runtime/pipeline_split.py describes by hand
@@ -86,6 +86,18 @@ def attention_head_counts(graph: OpGraph) -> tuple[int, ...]:
         if heads > 1:
             counts.add(heads)
     return tuple(sorted(counts))
+
+
+def kv_head_fraction(graph: OpGraph) -> float:
+    """The share of the attention kernel's K and V inputs the model really holds: key/value heads over the
+    kernel's key heads, below 1 where a grouped-query model repeats its K/V heads to the query heads before
+    the kernel (`repeat_kv`). Context parallelism gathers the K and V before any repeat."""
+    attn = next((op for op in graph.ops if op.kind is OpKind.ATTENTION and len(op.input_meta[0].shape) == 4), None)
+    if attn is None:
+        return 1.0
+    k = attn.input_meta[1].shape[1]  # the kernel's key heads: repeated to the query heads or not
+    kv = min([h for h in attention_head_counts(graph) if h < k and k % h == 0], default=k)
+    return kv / k
 
 
 def projection_head_slices(graph: OpGraph) -> dict[str, int]:

@@ -1,10 +1,16 @@
-"""`autoshard estimate`: predict a hand-given Megatron / DeepSpeed configuration with the planner's cost model."""
+"""`autoshard estimate`: predict a hand-given Megatron / DeepSpeed configuration with the planner's cost model.
+
+A context-parallel configuration (cp > 1) is priced on the rank-local graph, captured at seq / cp tokens, on
+the mesh with cp folded into dp (`MeshSpec.folded_cp`), with cp times the sequences of that length in a
+global batch; attention's own work and traffic over the cp group come from `PlanContext.cp`
+(cost_models/context_parallel.py). The plan it returns carries the real mesh and sequence length."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
+from autoshard.cost_models.context_parallel import CP_ATTENTION
 from autoshard.cost_models.memory import ALLOCATORS, PRECISIONS
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import ConfigurationError, require_positive
@@ -13,6 +19,7 @@ from autoshard.planner.context import TP_OVERLAP, PlanContext, default_precision
 from autoshard.planner.contract import (
     attention_head_counts,
     attention_kernel,
+    kv_head_fraction,
     pipeline_blocker,
     projection_head_slices,
 )
@@ -22,7 +29,7 @@ from autoshard.planner.manual import even_stage_layers, megatron_assignment
 from autoshard.planner.plan import SCHEDULES, OpPlan, PipelineSpec, Plan
 from autoshard.planner.stages import balanced_stage_layers
 
-__all__ = ["HandConfig", "estimate", "check_batch"]
+__all__ = ["HandConfig", "estimate", "check_batch", "check_context_parallel"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +37,8 @@ class HandConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallel: the tokens of each sequence over cp ranks (cost_models/context_parallel.py)
+    cp_attention: str = "allgather"  # how attention gets the other ranks' keys and values: allgather or ring
     micro_batch: int = 1
     global_batch: int = 1
     recompute: str = "none"
@@ -54,7 +63,7 @@ class HandConfig:
         if self.tp_comm_overlap not in TP_OVERLAP:
             raise ConfigurationError(f"tp_comm_overlap={self.tp_comm_overlap!r}: use 'backward' or 'all' (or leave "
                                      "it off)", params=("tp_comm_overlap",))
-        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages"):
+        for name in ("tp", "pp", "dp", "cp", "micro_batch", "global_batch", "virtual_stages"):
             require_positive(name, getattr(self, name))
         if self.virtual_stages > 1 and self.pp == 1:  # checked here: before the model is captured
             raise ConfigurationError("virtual_stages > 1 needs pp > 1", params=("virtual_stages", "pp"))
@@ -74,6 +83,9 @@ class HandConfig:
         if self.zero_impl != "fsdp2" and self.zero != 3:
             raise ConfigurationError(f"zero_impl={self.zero_impl!r} prices ZeRO-3's parameter gathers: add zero=3",
                                      params=("zero_impl", "zero"))
+        if self.cp_attention not in CP_ATTENTION:
+            raise ConfigurationError(f"cp_attention={self.cp_attention!r}: use one of {', '.join(CP_ATTENTION)}",
+                                     params=("cp_attention",))
         if self.allocator not in ALLOCATORS:
             raise ConfigurationError(f"allocator={self.allocator!r}: use one of {', '.join(ALLOCATORS)}",
                                      params=("allocator",))
@@ -95,10 +107,14 @@ def check_batch(global_batch: int, dp: int, micro_batch: int) -> int:
 
 
 def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
-    if cfg.tp * cfg.pp * cfg.dp != cluster.num_gpus:
+    n = cfg.tp * cfg.pp * cfg.dp * cfg.cp
+    if n != cluster.num_gpus:
+        cp = f" x cp = {cfg.tp} x {cfg.pp} x {cfg.dp} x {cfg.cp}" if cfg.cp > 1 else f" = {cfg.tp} x {cfg.pp} x {cfg.dp}"
         raise ConfigurationError(
-            f"tp x pp x dp = {cfg.tp} x {cfg.pp} x {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but cluster "
-            f"{cluster} has {cluster.num_gpus} GPUs; choose degrees whose product is {cluster.num_gpus}")
+            f"tp x pp x dp{cp} = {n}, but cluster {cluster} has {cluster.num_gpus} GPUs; choose degrees whose "
+            f"product is {cluster.num_gpus}")
+    if cfg.cp > 1:
+        check_context_parallel(graph, cfg.cp)
     bad_heads = [h for h in attention_head_counts(graph) if h % cfg.tp]
     if bad_heads:
         raise ConfigurationError(f"tp={cfg.tp} does not divide the {' and '.join(map(str, bad_heads))} attention "
@@ -121,6 +137,24 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
                                  "sequence_parallel", params=("sequence_parallel",))
 
 
+def check_context_parallel(local_graph: OpGraph, cp: int) -> None:
+    """Context parallelism needs one fused attention kernel per layer (the runtime's CP attention calls
+    SDPA; materialized scores would be sharded by query only) and sequences of 2 x cp equal chunks; the
+    graph is the rank-local one (seq / cp tokens)."""
+    if attention_kernel(local_graph) not in ("flash", "masked"):
+        raise ConfigurationError(f"cp={cp} needs a fused attention kernel (scaled_dot_product_attention); this "
+                                 f"model's attention is {attention_kernel(local_graph)}: drop --attention eager or "
+                                 "use cp=1", params=("cp",))
+    if not any(op.kind is OpKind.ATTENTION for op in local_graph.ops):
+        raise ConfigurationError(f"cp={cp}: this model has no attention to split by sequence; use cp=1",
+                                 params=("cp",))
+    seq = local_graph.seq_len
+    if seq is None or seq % 2:
+        raise ConfigurationError(f"cp={cp} cuts each sequence into {2 * cp} equal chunks (two per rank, for a "
+                                 f"causal mask's balance); use a sequence length divisible by {2 * cp}",
+                                 params=("cp", "seq"))
+
+
 def _stage_layers(graph: OpGraph, pp: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:
     """Megatron's even split when the layers divide into the chunks; otherwise the cost-balanced split the
     planner uses (embeddings and head counted), as DeepSpeed's partitioner or Megatron's
@@ -137,23 +171,27 @@ def _stage_layers(graph: OpGraph, pp: int, virtual_stages: int) -> tuple[tuple[i
 
 
 def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation]:
-    """Price `cfg` on `cluster`; raises ConfigurationError when it cannot run (incl. not fitting memory)."""
+    """Price `cfg` on `cluster`; raises ConfigurationError when it cannot run (incl. not fitting memory).
+    With cfg.cp > 1, `graph` is the rank-local graph (captured at seq / cp tokens)."""
     _validate(graph, cluster, cfg)
     m = check_batch(cfg.global_batch, cfg.dp, cfg.micro_batch)
-    mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)) if d > 1})
-    ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
+    mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("cp", cfg.cp), ("tp", cfg.tp))
+                          if d > 1})
+    priced = mesh.folded_cp()
+    ctx = PlanContext(mesh=priced, cluster=cluster, cp=cfg.cp, cp_attention=cfg.cp_attention,
+                      cp_kv_fraction=kv_head_fraction(graph) if cfg.cp > 1 else 1.0, micro_batch=cfg.micro_batch, num_microbatches=m,
                       precision=PRECISIONS[cfg.precision] if cfg.precision else default_precision(cluster),
                       recompute=cfg.recompute, seq=graph.seq_len,
                       fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, zero_impl=cfg.zero_impl,
                       tp_overlap=cfg.tp_comm_overlap, allocator=cfg.allocator)
-    assign = megatron_assignment(graph, mesh, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
+    assign = megatron_assignment(graph, priced, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
                                  zero=cfg.zero)
     stage_layers = _stage_layers(graph, cfg.pp, cfg.virtual_stages)
     pipe = PipelineSpec(degree=cfg.pp, schedule=cfg.resolved_schedule, virtual_stages=cfg.virtual_stages,
                         stage_layers=stage_layers, layered=cfg.resolved_schedule == "looped-bfs")
-    ev = evaluate(graph, assign, ctx, pipe, global_batch=cfg.global_batch)
+    ev = evaluate(graph, assign, ctx, pipe, global_batch=cfg.global_batch * cfg.cp)
     plan = Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
-                global_batch=cfg.global_batch, micro_batch=cfg.micro_batch, seq=graph.seq_len,
+                global_batch=cfg.global_batch, micro_batch=cfg.micro_batch, seq=graph.seq_len * cfg.cp,
                 recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",),
                 attention=attention_kernel(graph),
                 ops=tuple(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer,

@@ -478,7 +478,10 @@ def evaluate(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pi
     mems = _memory(stages, ctx, pipe, m)
     peak = max(mems, key=lambda x: x.total_bytes)
     tokens = global_batch * (graph.seq_len or 1)
-    model_flops = 3.0 * graph.matmul_flops_per_sample * global_batch
+    matmul_flops = graph.matmul_flops_per_sample
+    if ctx.cp > 1:  # a rank-local graph's attention covers 1/cp of the keys (cost_models/context_parallel.py)
+        matmul_flops += (ctx.cp - 1) * sum(op.fwd_flops for op in graph.ops if op.kind is OpKind.ATTENTION)
+    model_flops = 3.0 * matmul_flops * global_batch
     n_gpus = ctx.mesh.size
     tflops = model_flops / total / n_gpus / 1e12
     pred = Prediction(iteration_time_s=total, tokens_per_s=tokens / total, mfu=tflops / ctx.gpu.peak_tflops,

@@ -1,7 +1,8 @@
 """Meshes and layouts on named axes: the vocabulary plans are written in.
 
-A `MeshSpec` names its axes outermost first: `pp` (pipeline stages), `dp` (data parallel), and the tensor-
-parallel axes `tp` (1D), `tp_r, tp_c` (2D) or `tp_x, tp_y, tp_z` (3D). Ranks are laid out row-major over the
+A `MeshSpec` names its axes outermost first: `pp` (pipeline stages), `dp` (data parallel), `cp` (context
+parallel: each rank of a cp group holds a part of every sequence), and the tensor-parallel axes `tp` (1D),
+`tp_r, tp_c` (2D) or `tp_x, tp_y, tp_z` (3D). Ranks are laid out row-major over the
 axes, so the last axis is the fastest-varying one: tensor-parallel groups sit inside a node, as in Megatron-LM.
 
 A `Layout` gives, for each non-pipeline axis, the placement of one activation tensor, in DTensor's vocabulary
@@ -28,7 +29,7 @@ __all__ = [
 ]
 
 TP_AXES = ("tp", "tp_r", "tp_c", "tp_x", "tp_y", "tp_z")
-AXIS_NAMES = ("pp", "dp", *TP_AXES)
+AXIS_NAMES = ("pp", "dp", "cp", *TP_AXES)
 
 REPLICATE, PARTIAL = "R", "P"
 BATCH, SEQ, FEAT = "S(batch)", "S(seq)", "S(feat)"
@@ -94,6 +95,17 @@ class MeshSpec:
     @property
     def tp_degree(self) -> int:
         return math.prod(self.degree(a) for a in self.tp_axes)
+
+    def folded_cp(self) -> MeshSpec:
+        """The mesh a context-parallel plan is priced on: cp folded into dp. Outside attention a cp rank is a
+        data-parallel rank over a part of each sequence (same parameters, its own tokens, gradients summed over
+        dp x cp, as torchtitan shards FSDP over dp x cp), and with cp just inside dp the ranks of a
+        dp x cp group are the ranks of this mesh's dp group. Attention's own traffic is priced apart
+        (`PlanContext.cp`, cost_models/context_parallel.py)."""
+        cp = self.degree("cp")
+        if cp == 1:
+            return MeshSpec(axes=tuple((a, d) for a, d in self.axes if a != "cp"))
+        return MeshSpec.of(**{a: d for a, d in self.axes if a not in ("dp", "cp")}, dp=self.degree("dp") * cp)
 
     @property
     def spmd_axes(self) -> tuple[str, ...]:

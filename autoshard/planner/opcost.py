@@ -30,6 +30,7 @@ from autoshard.cost_models.compute import (
     gemm_time_s,
     memory_bound_time_s,
 )
+from autoshard.cost_models.context_parallel import gathered_kv_bytes, ring_exposed_s
 from autoshard.cost_models.memory import model_state_bytes, tensor_bytes
 from autoshard.cost_models.zero_impl import gathers_overlap, zero3_gather_s
 from autoshard.planner.context import PlanContext
@@ -403,7 +404,7 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
         base = _recompute_free(op, st, ctx, unit_numel, None)
     else:
         key = ("base", op.name, st, ctx.mesh, ctx.micro_batch, unit_numel, ctx.precision, ctx.fused_pointwise,
-               ctx.seq, ctx.zero_impl)
+               ctx.seq, ctx.zero_impl, ctx.cp, ctx.cp_attention)
         base = memo.get(key)
         if base is None:
             base = memo[key] = _recompute_free(op, st, ctx, unit_numel, memo)
@@ -427,6 +428,8 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
         recompute, peak = fwd, dropped
     else:
         kept += dropped
+    if recompute:  # a recomputed context-parallel attention fetches the other ranks' keys and values again
+        comm = (*comm, *_cp_forward_comm(op, st, ctx))
     return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
                   dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
                   optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
@@ -449,8 +452,46 @@ def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float 
     copy_f, copy_b = _fsdp_copy_s(op, st, ctx)
     nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
     kept, dropped = _saved_bytes(op, st, ctx)
+    if op.kind is OpKind.ATTENTION and ctx.cp > 1:
+        fwd, bwd, cf, cb, ccomm, ckept = _context_parallel_attention(op, st, ctx, fwd, bwd)
+        tp_f, tp_b, comm, kept = tp_f + cf, tp_b + cb, comm + ccomm, kept + ckept
     return (fwd + copy_f, bwd + copy_b, tp_f + nf, tp_b + nb, dp, states, transient,
             tuple(comm + ncomm), tuple(iter_comm), kept, dropped)
+
+
+def _cp_local_kv_bytes(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
+    """Bytes of the keys and values of one rank's tokens and heads, one micro-batch (before any K/V repeat)."""
+    return ctx.cp_kv_fraction * sum(tensor_bytes(t, ctx.precision, samples=ctx.micro_batch)
+                                    / max(1, _deg(lay, ctx, (BATCH, SEQ, FEAT)))
+                                    for t, lay in zip(op.input_meta[1:3], st.inputs[1:3], strict=False))
+
+
+def _cp_forward_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> list[tuple[str, float]]:
+    """The collectives a context-parallel attention's forward issues (again when its block is recomputed)."""
+    if op.kind is not OpKind.ATTENTION or ctx.cp == 1:
+        return []
+    kv = _cp_local_kv_bytes(op, st, ctx)
+    if ctx.cp_attention == "ring":
+        return [("p2p", (ctx.cp - 1) * kv)]
+    return [("all_gather", gathered_kv_bytes(kv, ctx.cp))]
+
+
+def _context_parallel_attention(op: Op, st: OpStrategy, ctx: PlanContext, fwd: float, bwd: float):
+    """A fused attention kernel under context parallelism (cost_models/context_parallel.py): (kernel forward,
+    kernel backward, exposed traffic forward, backward, collectives, extra bytes kept for backward). The
+    rank-local graph's kernel covers its queries against its own keys; against every key it does cp times
+    that work (head-tail chunks keep a causal mask's share equal on every rank)."""
+    cp = ctx.cp
+    fwd, bwd = fwd * cp, bwd * cp
+    kv = _cp_local_kv_bytes(op, st, ctx)
+    if ctx.cp_attention == "ring":
+        slow = ctx.gpu.overlap_slowdown
+        f = ring_exposed_s(ctx.cp_p2p_s(kv), fwd / cp, cp, slowdown=slow)
+        b = ring_exposed_s(ctx.cp_p2p_s(2 * kv), bwd / cp, cp, slowdown=slow)
+        return fwd, bwd, f, b, [("p2p", (cp - 1) * kv), ("p2p", (cp - 1) * 2 * kv)], 0.0
+    full = gathered_kv_bytes(kv, cp)
+    return (fwd, bwd, ctx.cp_collective_s("all_gather", full), ctx.cp_collective_s("reduce_scatter", full),
+            [("all_gather", full), ("reduce_scatter", full)], full - kv)
 
 
 # -- edges -------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext, default_precision
+from autoshard.planner.contract import kv_head_fraction
 from autoshard.planner.evaluate import Evaluation, cut_bytes, evaluate
 from autoshard.planner.plan import Plan
 from autoshard.planner.strategies import same_strategy
@@ -21,9 +22,13 @@ __all__ = ["context_for", "priced_graph", "evaluate_plan", "predicted_step_comm"
 
 
 def context_for(plan: Plan, cluster, graph: OpGraph) -> PlanContext:
-    return PlanContext(mesh=plan.mesh, cluster=cluster, micro_batch=plan.micro_batch,
+    """The context `plan` was priced in; for a context-parallel plan `graph` is the rank-local graph (captured
+    at plan.seq / cp tokens) and the mesh has cp folded into dp (planner/estimate.py)."""
+    cp = plan.mesh.degree("cp")
+    return PlanContext(mesh=plan.mesh.folded_cp(), cluster=cluster, micro_batch=plan.micro_batch,
                        num_microbatches=plan.num_microbatches, precision=default_precision(cluster),
-                       recompute=plan.recompute, seq=graph.seq_len)
+                       recompute=plan.recompute, seq=graph.seq_len, cp=cp,
+                       cp_kv_fraction=kv_head_fraction(graph) if cp > 1 else 1.0)
 
 
 def priced_graph(plan: Plan, graph: OpGraph) -> OpGraph:
@@ -42,7 +47,8 @@ def priced_graph(plan: Plan, graph: OpGraph) -> OpGraph:
 def evaluate_plan(plan: Plan, graph: OpGraph, cluster) -> Evaluation:
     assign = {p.op: p.strategy for p in plan.ops}
     graph = priced_graph(plan, graph)
-    return evaluate(graph, assign, context_for(plan, cluster, graph), plan.pipeline, global_batch=plan.global_batch)
+    return evaluate(graph, assign, context_for(plan, cluster, graph), plan.pipeline,
+                    global_batch=plan.global_batch * plan.mesh.degree("cp"))
 
 
 def predicted_step_comm(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> dict[str, float]:
@@ -98,6 +104,6 @@ def predicted_param_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0
     ev = evaluate_plan(plan, graph, cluster)
     _, stage_of = template_for(graph, plan.pipeline)
     zero = {p.op: p.strategy.zero for p in plan.ops}
-    dp = plan.mesh.degree("dp")
+    dp = plan.mesh.folded_cp().degree("dp")  # sharded over dp x cp
     return sum(c.param_bytes / (dp if zero.get(name, 0) in (1, 2) else 1)
                for name, c in ev.op_costs.items() if stage_of[name] == stage)

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.memory import Precision
 from autoshard.planner.plan import Plan
+from autoshard.runtime.context_parallel import apply_context_parallel
 from autoshard.runtime.data_parallel import (
     apply_operator_splitting,
     apply_plain_data_parallel,
@@ -34,7 +35,7 @@ from autoshard.runtime.data_parallel import (
 )
 from autoshard.runtime.dtensor_ext import register_dtensor_rules
 from autoshard.runtime.local_shards import choose_local_shards
-from autoshard.runtime.mesh import build_device_mesh
+from autoshard.runtime.mesh import build_device_mesh, check_context_parallel_mesh, context_parallel_group
 from autoshard.runtime.norms import statistics_parallel_forward
 from autoshard.runtime.parallel_module import ParallelModule, RuntimeState, make_parallel
 from autoshard.runtime.precision import compute_dtype, precision_for_device
@@ -62,12 +63,19 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     register_dtensor_rules()
     specs = module_specs(plan, graph, model)
     if not plan.mesh.tp_axes:  # data parallel and ZeRO only: plain tensors, as torchtitan runs FSDP2
-        model = make_parallel(model, RuntimeState(plan=plan, mesh=mesh, spmd=False))  # 1
+        state = RuntimeState(plan=plan, mesh=mesh, spmd=False)
+        if plan.mesh.degree("cp") > 1:  # the mesh's dp dim is dp x cp; attention gathers over the cp group
+            group, state.cp_rank = context_parallel_group(plan.mesh, device_type=mesh.device_type)
+            state.cp = plan.mesh.degree("cp")
+            apply_context_parallel(model, group, state.cp, state.cp_rank)
+        model = make_parallel(model, state)  # 1
         apply_operator_splitting(model, specs, None, mesh)  # 4
         apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
         apply_plain_data_parallel(model, specs, mesh, precision=precision)  # 6
         log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
         return model
+    if plan.mesh.degree("cp") > 1:
+        check_context_parallel_mesh(plan.mesh)  # refuses tensor-parallel axes with cp, with the reason
     if compute_dtype(precision) is not None and "dp" not in mesh.mesh_dim_names:  # FSDP2 casts the parameters:
         mesh = build_device_mesh(plan.mesh, device_type=mesh.device_type, unit_dp=True)  # give it a dp dim
     state = RuntimeState(plan=plan, mesh=mesh)

@@ -88,6 +88,9 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu", unit_dp: bool
     if spec.degree("pp") > 1:
         raise RuntimeSetupError(f"mesh {spec} has pipeline degree {spec.degree('pp')}; the runtime applies "
                                 "plans without pipeline parallelism only (pp=1) for now")
+    if spec.degree("cp") > 1:  # the data-parallel wrappers run on dp x cp (runtime/context_parallel.py)
+        check_context_parallel_mesh(spec)
+        spec = spec.folded_cp()
     names = spec.spmd_axes
     shape = tuple(spec.degree(a) for a in names)
     size = spec.size
@@ -107,6 +110,26 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu", unit_dp: bool
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     _MESHES[key] = (mesh, dist.group.WORLD)
     return mesh
+
+
+def check_context_parallel_mesh(spec: MeshSpec) -> None:
+    if spec.tp_axes or spec.degree("pp") > 1:
+        raise RuntimeSetupError(f"mesh {spec}: the runtime runs context parallelism with data parallel and ZeRO "
+                                "only for now (no tensor-parallel or pipeline axis); re-plan without cp or "
+                                "without tp / pp")
+
+
+def context_parallel_group(spec: MeshSpec, *, device_type: str = "cpu"):
+    """(process group, this rank's index in it) of this rank's cp group on a mesh with a cp axis: the ranks
+    of one dp replica, cp just inside dp (planner/layouts.py). Call on every rank."""
+    check_context_parallel_mesh(spec)
+    shape = (spec.degree("dp"), spec.degree("cp"))
+    key = (device_type, ("dp", "cp"), shape)
+    cached = _MESHES.get(key)
+    if cached is None or cached[1] is not dist.group.WORLD:
+        cached = _MESHES[key] = (init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp")), dist.group.WORLD)
+    mesh = cached[0]
+    return mesh.get_group("cp"), mesh.get_local_rank("cp")
 
 
 def tp_mesh_names(mesh: DeviceMesh) -> tuple[str, ...]:

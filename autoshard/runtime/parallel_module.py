@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from autoshard.capture.export import training_outputs
 from autoshard.errors import ConfigurationError
 from autoshard.planner.plan import Plan
+from autoshard.runtime.context_parallel import head_tail_positions, shard_sequence
 from autoshard.runtime.dtensor_ext import SPMDMode
 from autoshard.runtime.tensor_parallel import from_local_shard
 
@@ -43,6 +44,8 @@ class RuntimeState:
     local: bool = False  # True: the model's own code runs on local shards, DTensors only in planned modules
     local_batch: int | None = None  # this rank's batch size in the current forward (local mode)
     why_not_local: str = "no example inputs to check it on"  # when not `local` (local_shards.py)
+    cp: int = 1  # context parallel degree: the mesh's dp dim is dp x cp (runtime/context_parallel.py)
+    cp_rank: int = 0
 
     @property
     def dp_degree(self) -> int:
@@ -83,13 +86,15 @@ class ParallelModule:
         return f"DTensors throughout (SPMD mode): {state.why_not_local}"
 
     def shard_inputs(self, global_inputs) -> tuple:
-        """This rank's part of a global batch: the dp slice of dim 0 of every tensor (others unchanged)."""
+        """This rank's part of a global batch: the dp slice of dim 0 of every tensor (others unchanged); with
+        context parallelism also this rank's tokens along dim 1 of every tensor of two or more dims (head-tail
+        chunks, runtime/context_parallel.py), targets included."""
         inputs = global_inputs if isinstance(global_inputs, tuple) else (global_inputs,)
         state = self._autoshard
-        dp = state.dp_degree
-        if dp == 1:
+        dp = state.dp_degree // state.cp  # data-parallel replicas; with context parallelism, cp ranks each
+        if state.dp_degree == 1:
             return inputs
-        rank = state.mesh.get_local_rank("dp")
+        rank = state.mesh.get_local_rank("dp") // state.cp
 
         def cut(x):
             if not isinstance(x, torch.Tensor) or x.dim() == 0:
@@ -97,7 +102,10 @@ class ParallelModule:
             if x.shape[0] % dp:
                 raise ConfigurationError(f"a global batch of {x.shape[0]} does not split over dp={dp} ranks; "
                                          f"use a multiple of {dp}")
-            return x.chunk(dp)[rank]
+            x = x.chunk(dp)[rank]
+            if state.cp > 1 and x.dim() > 1:  # this cp rank's tokens (sequence dim 1) of inputs and targets
+                x = shard_sequence(x, state.cp, state.cp_rank)
+            return x
 
         return tuple(pytree.tree_map(cut, x) for x in inputs)
 
@@ -116,6 +124,10 @@ class ParallelModule:
         # checkpointing) would append its keys and values to it a second time
         with training_outputs(self):
             if not state.spmd:  # data parallel only: FSDP2 on ordinary tensors, inputs and outputs as they are
+                if state.cp > 1 and "position_ids" not in kwargs and args and isinstance(args[0], torch.Tensor):
+                    ids = args[0]  # this rank's tokens (shard_inputs): where they sit in the whole sequence
+                    pos = head_tail_positions(ids.shape[1] * state.cp, state.cp, state.cp_rank, device=ids.device)
+                    kwargs = {**kwargs, "position_ids": pos.unsqueeze(0).expand(ids.shape[0], -1)}
                 return super().forward(*args, **kwargs)  # type: ignore[misc]
             return self._spmd_forward(state, args, kwargs)
 

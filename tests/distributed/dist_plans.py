@@ -153,3 +153,16 @@ def expected_param_bytes(plan: Plan, graph: OpGraph) -> int:
         degree = shards.get(name, 1) * (plan.mesh.degree("dp") if zero.get(name, 0) > 0 else 1)
         total += n * dtype_bytes[name] // degree
     return total
+
+
+def make_cp_plan(full: OpGraph, local: OpGraph, *, dp: int, cp: int, family: str, global_batch: int,
+                 **options) -> Plan:
+    """A context-parallel plan as `estimate` writes one: the strategies of `family` on the rank-local graph
+    `local` (captured at seq / cp tokens) with cp folded into dp, under the real mesh, sequence length and
+    fingerprint of the whole model `full`."""
+    from dataclasses import replace
+
+    folded = make_plan(local, MeshSpec.of(dp=dp * cp), family, global_batch=global_batch * cp, **options)
+    mesh = MeshSpec.of(**({"dp": dp} if dp > 1 else {}), cp=cp)
+    return replace(folded, mesh=mesh, global_batch=global_batch, micro_batch=max(1, global_batch // dp),
+                   seq=full.seq_len, model=full.model_name, fingerprint=full.fingerprint())
