@@ -187,16 +187,82 @@ def plan(model, cluster, *, example_inputs=None, global_batch: int | None = None
          attention: str = "auto"):
     """Dry run: the fastest plan for `model` on `cluster` (no GPU needed). `memory_cap` in GiB per GPU;
     `attention` the kernel priced for zoo and spec models ("auto": flash; see `resolve_attention`)."""
-    from autoshard.planner.planning import make_plan
     from autoshard.planner.search import parse_space
 
     cluster = resolve_cluster(cluster)  # every argument checked before the capture
     gb, cap, searched = _default_global_batch(cluster, global_batch), _cap_bytes(cluster, memory_cap), parse_space(space)
     require_positive("time_limit_s", time_limit_s, integer=False, unit=" of seconds")
     graph = load_graph(model, example_inputs=example_inputs, seq=seq, attention=attention)
-    result, _ = make_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
-                          time_limit_s=time_limit_s, progress=progress)
+    result, _ = _best_plan(model, graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
+                           time_limit_s=time_limit_s, progress=progress, attention=attention)
     return result
+
+
+# Context parallelism is searched from this many tokens per sequence up (a search-cost cut, not a claim that
+# CP never pays below it: `estimate --cp` prices any length); each cp rank keeps at least CP_MIN_LOCAL_SEQ.
+CP_MIN_SEQ = 32768
+CP_MIN_LOCAL_SEQ = 4096
+
+
+def context_parallel_degrees(model, graph, cluster, space: frozenset[str]) -> list[int]:
+    """The cp degrees the planner tries for `model`: with "cp" in the space, a causal decoder with a fused
+    attention kernel given by reference (its rank-local graph is captured at seq / cp), sequences of at
+    least CP_MIN_SEQ tokens, cp dividing the GPUs and cutting each sequence into 2 x cp equal chunks."""
+    from autoshard.planner.contract import attention_kernel
+    from autoshard.planner.estimate import check_context_parallel
+
+    seq = graph.seq_len
+    if "cp" not in space or not isinstance(model, str) or not seq or seq < CP_MIN_SEQ:
+        return []
+    if attention_kernel(graph) not in ("flash", "masked"):
+        return []
+    out = []
+    for cp in (2, 4, 8, 16, 32):
+        if cluster.num_gpus % cp or seq % (2 * cp) or seq // cp < CP_MIN_LOCAL_SEQ:
+            continue
+        try:
+            check_context_parallel(graph, cp)
+        except ConfigurationError:
+            continue
+        out.append(cp)
+    return out
+
+
+def _best_plan(model, graph, cluster, *, global_batch, space, cap_bytes, time_limit_s, progress, attention):
+    """(plan, search) of the fastest plan over `space`: the search on the whole graph, and with "cp" in the
+    space one search per context-parallel degree on that degree's rank-local graph (data parallel and ZeRO
+    around it: what the runtime runs with cp). The SearchResult's `context_parallel` says how CP compared."""
+    from autoshard.errors import InfeasiblePlanError
+    from autoshard.planner.planning import make_plan
+
+    best, first_error, without_cp = None, None, None
+    try:
+        best = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp"}, cap_bytes=cap_bytes,
+                         time_limit_s=time_limit_s, progress=progress)
+        without_cp = best[0].prediction.iteration_time_s
+    except InfeasiblePlanError as exc:
+        first_error = exc
+    tried = {}
+    for cp in context_parallel_degrees(model, graph, cluster, space):
+        if progress is not None:
+            progress(f"context parallel {cp}: capturing the rank-local graph ({graph.seq_len // cp} tokens)")
+        local = load_graph(model, seq=graph.seq_len // cp, attention=attention)
+        try:
+            p, r = make_plan(local, cluster, global_batch=global_batch * cp, space=space & {"dp", "zero"},
+                             cap_bytes=cap_bytes, time_limit_s=time_limit_s, progress=progress, cp=cp)
+        except InfeasiblePlanError:
+            tried[cp] = None
+            continue
+        tried[cp] = p.prediction.iteration_time_s
+        p = dc_replace(p, model=graph.model_name, fingerprint=graph.fingerprint())
+        if best is None or p.prediction.iteration_time_s < best[0].prediction.iteration_time_s:
+            best = (p, r)
+    if best is None:
+        raise first_error
+    if tried:
+        best[1].context_parallel = {"chosen_cp": best[0].mesh.degree("cp"), "without_cp_s": without_cp,
+                                    "by_cp_s": tried}
+    return best
 
 
 def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq: int | None = None,
@@ -204,15 +270,14 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
                         progress=None, attention: str = "auto"):
     """(Plan, SearchResult, baselines, graph, cluster) for the CLI."""
     from autoshard.planner.baselines import compute_baselines
-    from autoshard.planner.planning import make_plan
     from autoshard.planner.search import parse_space
 
     cluster = resolve_cluster(cluster)  # every argument checked before the capture
     gb, cap, searched = _default_global_batch(cluster, global_batch), _cap_bytes(cluster, memory_cap), parse_space(space)
     require_positive("time_limit_s", time_limit_s, integer=False, unit=" of seconds")
     graph = load_graph(model, seq=seq, attention=attention)
-    the_plan, result = make_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
-                                 time_limit_s=time_limit_s, progress=progress)
+    the_plan, result = _best_plan(model, graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
+                                  time_limit_s=time_limit_s, progress=progress, attention=attention)
     if progress is not None:
         progress("pricing the baselines")
     baselines = compute_baselines(graph, cluster, global_batch=gb, cap_bytes=cap)

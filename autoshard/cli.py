@@ -181,7 +181,8 @@ def _cmd_plan(args) -> int:
             "solve_time_s": result.solve_time_s,
             "search": {"considered": result.considered, "solved": result.solved,
                        "pruned_by_memory": result.pruned_memory, "optimal": result.optimal,
-                       "solver": plan.solver}}
+                       "solver": plan.solver},
+            "context_parallel": result.context_parallel}
     if args.plot:  # the picture first: a plot that fails leaves no plan file behind
         from autoshard.plotting import plot_plan
 
@@ -218,6 +219,8 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
             p = b.prediction
             lines.append(f"{name:14s}{p.tokens_per_s:14,.0f}{p.mfu * 100:7.1f}%{p.memory.total_bytes / 2**30:9.1f}"
                          f"  {b.config}")
+    if result.context_parallel:
+        lines.append(_context_parallel_line(result.context_parallel))
     lines.append(f"\nsearch           {result.solve_time_s:.1f} s: {result.solved} ILPs solved of {result.considered} "
                  f"candidates ({result.pruned_memory} pruned by the memory bound; {plan.solver})"
                  + ("" if result.optimal else "; the best found when the time limit hit, not proven optimal"))
@@ -226,6 +229,17 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
     if args.plot:
         lines.append(f"picture written  {args.plot}")
     return lines
+
+
+def _context_parallel_line(cp: dict) -> str:
+    """Why the plan has the cp degree it has: each degree's best step against the best without CP."""
+    def step(t):
+        return "does not fit" if t is None else f"{t:.3f} s"
+
+    tried = ", ".join(f"cp={c}: {step(t)}" for c, t in cp["by_cp_s"].items())
+    without = step(cp["without_cp_s"])
+    verdict = (f"cp={cp['chosen_cp']} chosen" if cp["chosen_cp"] > 1 else "not chosen")
+    return f"context parallel {verdict}: best step {tried}; without CP {without} (data parallel and ZeRO around CP)"
 
 
 def _cluster_or_none(text: str):

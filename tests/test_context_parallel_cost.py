@@ -97,3 +97,25 @@ def test_estimate_json_reports_the_cp_degree_and_attention():
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["cp"] == 2 and data["cp_attention"] == "allgather" and ["cp", 2] in data["mesh"]
+
+
+def _plan_json(seq: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "autoshard.cli", "plan", LLAMA.format(seq=seq), "--cluster", CLUSTER,
+                          "--global-batch", "8", "--json", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_planner_chooses_cp_where_no_plan_without_it_fits():
+    data = _plan_json(262144)
+    cp = data["context_parallel"]
+    assert cp["without_cp_s"] is None and cp["chosen_cp"] > 1
+    assert ["cp", cp["chosen_cp"]] in data["mesh"]
+    assert data["predicted"]["iteration_time_s"] == pytest.approx(min(t for t in cp["by_cp_s"].values() if t))
+
+
+def test_the_planner_keeps_cp_off_where_data_parallel_is_faster():
+    data = _plan_json(65536)
+    cp = data["context_parallel"]
+    assert cp["chosen_cp"] == 1 and all(t is None or t > cp["without_cp_s"] for t in cp["by_cp_s"].values())
+    assert all(axis != "cp" for axis, _ in data["mesh"])

@@ -17,11 +17,11 @@ import update_golden  # noqa: E402
 GOLDEN = json.loads(update_golden.GOLDEN.read_text())
 
 
-@pytest.mark.parametrize("model,cluster,batch", update_golden.CASES,
+@pytest.mark.parametrize("model,cluster,batch,seq", update_golden.CASES,
                          ids=[update_golden.case_key(*c) for c in update_golden.CASES])
-def test_plan_matches_golden_throughput_and_beats_every_baseline(model, cluster, batch):
-    got = update_golden.run_case(model, cluster, batch)
-    want = GOLDEN[update_golden.case_key(model, cluster, batch)]["tokens_per_s"]
+def test_plan_matches_golden_throughput_and_beats_every_baseline(model, cluster, batch, seq):
+    got = update_golden.run_case(model, cluster, batch, seq)
+    want = GOLDEN[update_golden.case_key(model, cluster, batch, seq)]["tokens_per_s"]
     assert got["tokens_per_s"] >= 0.99 * want, f"{got['tokens_per_s']:,.0f} tokens/s < golden {want:,.0f}"
     assert got["tokens_per_s"] <= 1.01 * want, (f"{got['tokens_per_s']:,.0f} tokens/s > golden {want:,.0f}: the "
                                                 "prediction moved; review it and regenerate the golden file")

@@ -92,12 +92,17 @@ def kv_head_fraction(graph: OpGraph) -> float:
     """The share of the attention kernel's K and V inputs the model really holds: key/value heads over the
     kernel's key heads, below 1 where a grouped-query model repeats its K/V heads to the query heads before
     the kernel (`repeat_kv`). Context parallelism gathers the K and V before any repeat."""
-    attn = next((op for op in graph.ops if op.kind is OpKind.ATTENTION and len(op.input_meta[0].shape) == 4), None)
-    if attn is None:
-        return 1.0
-    k = attn.input_meta[1].shape[1]  # the kernel's key heads: repeated to the query heads or not
-    kv = min([h for h in attention_head_counts(graph) if h < k and k % h == 0], default=k)
-    return kv / k
+    cache = graph_cache(graph)
+    if "kv_head_fraction" not in cache:
+        attn = next((op for op in graph.ops if op.kind is OpKind.ATTENTION and len(op.input_meta) >= 3
+                     and len(op.input_meta[1].shape) == 4), None)
+        fraction = 1.0
+        if attn is not None:
+            k = attn.input_meta[1].shape[1]  # the kernel's key heads: repeated to the query heads or not
+            kv = min([h for h in attention_head_counts(graph) if h < k and k % h == 0], default=k)
+            fraction = kv / k
+        cache["kv_head_fraction"] = fraction
+    return cache["kv_head_fraction"]
 
 
 def projection_head_slices(graph: OpGraph) -> dict[str, int]:

@@ -208,6 +208,11 @@ def explain_text(plan: Plan, *, layer: int | None = None, op: str | None = None)
             f"{batch_label(plan.micro_batch, plan.num_microbatches)}, "
             f"recompute {recompute_label(plan.recompute, plan.attention)}"
             + (f", pipeline {plan.pipeline.degree} x {plan.pipeline.schedule}" if plan.pipeline.degree > 1 else ""))
+    cp = plan.mesh.degree("cp")
+    if cp > 1 and plan.seq:
+        head += (f"\ncontext parallel {cp}: each sequence's {plan.seq:,} tokens over {cp} ranks ({plan.seq // cp:,} "
+                 f"each, two head-tail chunks); attention all-gathers the keys and values of the other ranks, and "
+                 f"the operators below see one rank's tokens, their 'dp' meaning dp x cp")
     groups = _selected(plan, layer=layer, op=op)
     rows = {id(g): [_row(p, g) for p in g.ops] for g in groups}
     every = [r for rs in rows.values() for r in rs]

@@ -9,6 +9,7 @@ from autoshard.planner.context import PlanContext
 from autoshard.planner.contract import attention_kernel, projection_head_slices
 from autoshard.planner.evaluate import op_sites, sink_layout
 from autoshard.planner.ilp import solver_name
+from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.opcost import edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.plan import OpPlan, OpStrategy, Plan
 from autoshard.planner.search import SearchResult, allowed, search
@@ -82,8 +83,12 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
                           time_s=r[2] if r else c.time_s, memory_bytes=c.state_bytes,
                           runner_up=r[0] if r else None, runner_up_time_s=r[1] if r else None,
                           runner_up_memory_bytes=r[3] if r else None))
-    return Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=cand.mesh,
-                global_batch=global_batch, micro_batch=cand.micro_batch, seq=graph.seq_len,
+    mesh = cand.mesh
+    if cand.cp > 1:  # the plan as it runs: dp and cp apart, whole sequences (planner/estimate.py)
+        mesh = MeshSpec.of(**{a: d for a, d in mesh.axes if a != "dp"}, dp=mesh.degree("dp") // cand.cp, cp=cand.cp)
+        mesh = MeshSpec(axes=tuple((a, d) for a, d in mesh.axes if d > 1 or a == "cp"))
+    return Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
+                global_batch=global_batch // cand.cp, micro_batch=cand.micro_batch, seq=graph.seq_len * cand.cp,
                 recompute=cand.recompute, pipeline=cand.pipe, ops=tuple(ops), prediction=result.evaluation.prediction,
                 space=tuple(sorted(space)), solve_time_s=result.solve_time_s, attention=attention_kernel(graph),
                 solver=solver_name(), optimal=result.optimal)
@@ -91,14 +96,20 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
 
 def _ctx(graph, cluster, cand) -> PlanContext:
     from autoshard.planner.context import default_precision
+    from autoshard.planner.contract import kv_head_fraction
 
     return PlanContext(mesh=cand.mesh, cluster=cluster, micro_batch=cand.micro_batch,
                        num_microbatches=cand.num_microbatches, precision=default_precision(cluster),
-                       recompute=cand.recompute, seq=graph.seq_len)
+                       recompute=cand.recompute, seq=graph.seq_len, cp=cand.cp,
+                       cp_kv_fraction=kv_head_fraction(graph) if cand.cp > 1 else 1.0)
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str], cap_bytes: float | None = None,
-              time_limit_s: float = 20.0, budget_s: float = 120.0, progress=None) -> tuple[Plan, SearchResult]:
+              time_limit_s: float = 20.0, budget_s: float = 120.0, progress=None, cp: int = 1
+              ) -> tuple[Plan, SearchResult]:
+    """The best plan and its search. With `cp` > 1, `graph` is the rank-local graph (seq / cp tokens) and
+    `global_batch` counts its sequences (cp per whole sequence); the plan returned is in whole sequences, under
+    the local graph's name and fingerprint (api.py names it for the whole model)."""
     result = search(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap_bytes,
-                    time_limit_s=time_limit_s, budget_s=budget_s, progress=progress)
+                    time_limit_s=time_limit_s, budget_s=budget_s, progress=progress, cp=cp)
     return plan_from_result(graph, cluster, result, global_batch=global_batch, space=space), result

@@ -10,21 +10,25 @@ from dataclasses import replace
 
 from autoshard.capture.ir import OpGraph
 from autoshard.errors import PlanFileError
-from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.evaluate import Evaluation, evaluate
 from autoshard.planner.plan import Plan
+from autoshard.planner.prediction import context_for
 
 __all__ = ["price_plan"]
 
 
 def price_plan(plan: Plan, graph: OpGraph, cluster) -> tuple[Plan, Evaluation]:
-    """(`plan` with its prediction on `cluster`, the evaluation); `graph` is the plan's model."""
-    if plan.fingerprint != graph.fingerprint():
+    """(`plan` with its prediction on `cluster`, the evaluation); `graph` is the plan's model, and for a
+    context-parallel plan its rank-local graph (captured at plan.seq / cp tokens; planner/estimate.py)."""
+    cp = plan.mesh.degree("cp")
+    if cp > 1:
+        if graph.seq_len is None or graph.seq_len * cp != plan.seq:
+            raise PlanFileError(f"plan {plan.model} is context parallel over {cp} ranks: price it on its rank-local "
+                                f"graph, captured at {plan.seq // cp} tokens (this one has {graph.seq_len})")
+    elif plan.fingerprint != graph.fingerprint():
         raise PlanFileError(f"plan {plan.model} was made for another graph (fingerprint {plan.fingerprint}, "
                             f"this one {graph.fingerprint()}); re-plan it")
     assign = {p.op: p.strategy for p in plan.ops}
-    ctx = PlanContext(mesh=plan.mesh, cluster=cluster, micro_batch=plan.micro_batch,
-                      num_microbatches=plan.num_microbatches, precision=default_precision(cluster),
-                      recompute=plan.recompute, seq=graph.seq_len)
-    ev = evaluate(graph, assign, ctx, plan.pipeline, global_batch=plan.global_batch)
+    ev = evaluate(graph, assign, context_for(plan, cluster, graph), plan.pipeline,
+                  global_batch=plan.global_batch * cp)
     return replace(plan, prediction=ev.prediction, cluster=str(cluster)), ev

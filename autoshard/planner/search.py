@@ -29,6 +29,7 @@ from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time
 from autoshard.planner.candidate_bound import compute_bound_s, edge_times, knapsack_bounds
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.contract import (
+    kv_head_fraction,
     largest_head_divisor,
     pipeline_blocker,
     projection_head_slices,
@@ -54,7 +55,7 @@ from autoshard.planner.template import template_for
 __all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search", "parse_space", "allowed"]
 
 log = logging.getLogger(__name__)
-SPACE = ("dp", "zero", "tp1d", "tp2d", "tp3d", "pp")
+SPACE = ("dp", "zero", "tp1d", "tp2d", "tp3d", "pp", "cp")
 TP_FAMILIES = frozenset({"tp1d", "tp2d", "tp3d"})
 _FAMILY_OF = {"col": "tp1d", "row": "tp1d", "col+sp": "tp1d", "vocab": "tp1d", "2d": "tp2d", "3d-yz": "tp3d",
               "3d-zy": "tp3d"}
@@ -82,6 +83,7 @@ class Candidate:
     pipe: PipelineSpec
     time_lb_s: float
     memory_lb_bytes: float
+    cp: int = 1  # context parallel: `mesh` has cp folded into dp and the graph is the rank-local one
 
 
 @dataclass
@@ -97,6 +99,9 @@ class SearchResult:
     # False when an ILP stopped at its time limit or the search at its budget: the plan is the best found
     # (the incumbent), not proven the fastest in the space
     optimal: bool = True
+    # with "cp" in the space (api._best_plan): {"chosen_cp": cp of the plan (1: none), "without_cp_s": the best
+    # plan without CP (None: none fits), "by_cp_s": {cp: best iteration time, None where nothing fits}}
+    context_parallel: dict | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -145,9 +150,11 @@ def _pipelines(graph: OpGraph, pp: int, space: frozenset[str], m: int,
 
 
 def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str],
-                         cap_bytes: float, schedules: frozenset[str] = frozenset(SCHEDULES)
+                         cap_bytes: float, schedules: frozenset[str] = frozenset(SCHEDULES), cp: int = 1
                          ) -> tuple[list[Candidate], int]:
-    """(candidates that may fit, number pruned by the memory bound), sorted by time bound."""
+    """(candidates that may fit, number pruned by the memory bound), sorted by time bound. With `cp` > 1 the
+    graph is the rank-local one (seq / cp tokens), `global_batch` counts its sequences, and the meshes' dp
+    is dp x cp (MeshSpec.folded_cp)."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
     prec = default_precision(cluster)
     recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) or selective_keeps(graph) else [])
@@ -163,7 +170,7 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
             if n % (pp * tdeg):
                 continue
             dp = n // (pp * tdeg)
-            if dp > 1 and not ({"dp", "zero"} & space):
+            if dp > 1 and not ({"dp", "zero"} & space) or dp % cp:
                 continue
             mesh = MeshSpec.of(**({"pp": pp} if pp > 1 else {}), **({"dp": dp} if dp > 1 else {}), **tp)
             batch_shard = tp.get("tp_r", 1) * tp.get("tp_x", 1) * tp.get("tp_z", 1)
@@ -179,7 +186,7 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                             continue
                         lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tdeg, pp=pp, micro_batch=b,
                                                 num_microbatches=m, fill=pipeline_fill(pipe), recompute=rc)
-                        found.append(Candidate(mesh, b, m, rc, pipe, lb, mem))
+                        found.append(Candidate(mesh, b, m, rc, pipe, lb, mem, cp))
     found.sort(key=lambda c: (c.time_lb_s, c.mesh.size, str(c.mesh), c.micro_batch, c.recompute,
                               c.pipe.schedule, c.pipe.virtual_stages))
     return found, pruned
@@ -236,11 +243,12 @@ _PROGRESS_EVERY_S = 2.0  # one progress line per this many seconds of search, no
 def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] = frozenset(SPACE),
            schedules: frozenset[str] = frozenset(SCHEDULES),
            cap_bytes: float | None = None, time_limit_s: float = 20.0, budget_s: float = 120.0,
-           progress: Callable[[str], None] | None = None) -> SearchResult:
-    """Best plan over the space; raises InfeasiblePlanError with the smallest memory any plan needs."""
+           progress: Callable[[str], None] | None = None, cp: int = 1) -> SearchResult:
+    """Best plan over the space; raises InfeasiblePlanError with the smallest memory any plan needs. `cp`:
+    context parallel over cp ranks (`enumerate_candidates`)."""
     cap = cap_bytes if cap_bytes is not None else cluster.device_memory_bytes
     cands, pruned = enumerate_candidates(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap,
-                                         schedules=schedules)
+                                         schedules=schedules, cp=cp)
     t0 = time.perf_counter()
     if progress:
         progress(f"searching {len(cands)} configurations")
@@ -302,7 +310,8 @@ def _context(graph, cluster, cand: Candidate, cache: dict | None = None) -> Plan
     memo = {} if cache is None else cache.setdefault(("context memo", cand.mesh), {})
     return PlanContext(mesh=cand.mesh, cluster=cluster, micro_batch=cand.micro_batch,
                        num_microbatches=cand.num_microbatches, precision=default_precision(cluster),
-                       recompute=cand.recompute, seq=graph.seq_len, _cache=memo)
+                       recompute=cand.recompute, seq=graph.seq_len, _cache=memo, cp=cand.cp,
+                       cp_kv_fraction=kv_head_fraction(graph) if cand.cp > 1 else 1.0)
 
 
 @dataclass
