@@ -191,7 +191,8 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
                         stage_layers=stage_layers, layered=cfg.resolved_schedule == "looped-bfs")
     ev = evaluate(graph, assign, ctx, pipe, global_batch=cfg.global_batch * cfg.cp)
     plan = Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
-                global_batch=cfg.global_batch, micro_batch=cfg.micro_batch, seq=graph.seq_len * cfg.cp,
+                global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
+                seq=graph.seq_len * cfg.cp if graph.seq_len else graph.seq_len,
                 recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",),
                 attention=attention_kernel(graph),
                 ops=tuple(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer,

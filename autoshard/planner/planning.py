@@ -88,7 +88,8 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
         mesh = MeshSpec.of(**{a: d for a, d in mesh.axes if a != "dp"}, dp=mesh.degree("dp") // cand.cp, cp=cand.cp)
         mesh = MeshSpec(axes=tuple((a, d) for a, d in mesh.axes if d > 1 or a == "cp"))
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
-                global_batch=global_batch // cand.cp, micro_batch=cand.micro_batch, seq=graph.seq_len * cand.cp,
+                global_batch=global_batch // cand.cp, micro_batch=cand.micro_batch,
+                seq=graph.seq_len * cand.cp if graph.seq_len else graph.seq_len,
                 recompute=cand.recompute, pipeline=cand.pipe, ops=tuple(ops), prediction=result.evaluation.prediction,
                 space=tuple(sorted(space)), solve_time_s=result.solve_time_s, attention=attention_kernel(graph),
                 solver=solver_name(), optimal=result.optimal)

@@ -3,7 +3,8 @@
 Tiny GPT-2 (2 layers, hidden 64, tied LM head) trained two AdamW steps, then:
 (a) saved under Megatron 1D TP on 4 ranks, loaded under ZeRO-3 on 2 ranks;
 (b) saved under DP on 2 ranks, loaded under Optimus 2D (tp_r x tp_c = 2 x 2) on 4 ranks, after a second save
-    to the same path failed on rank 1 mid-write.
+    to the same path failed on rank 1 mid-write;
+(c) saved under context parallel 2 with ZeRO-3 on 2 ranks, loaded under dp 2 x cp 2 on 4 ranks (issue 16).
 The loading runs build the model with other weights, so only the checkpoint can make them equal. Three
 worlds (4, 2, then 4 ranks) run in sequence; the single-process tests below need no process group.
 """
@@ -17,8 +18,8 @@ import pytest
 import torch
 from dist_ckpt import BATCH, run_cases
 from dist_harness import run_world
-from dist_models import build, example_batch
-from dist_plans import make_plan
+from dist_models import SEQ, build, example_batch
+from dist_plans import make_cp_plan, make_plan
 
 from autoshard.errors import CheckpointError
 from autoshard.planner.layouts import MeshSpec
@@ -32,11 +33,15 @@ ADAM_STATE = ["exp_avg", "exp_avg_sq", "step"]
 
 
 @functools.cache
-def _graph():
+def _graph(seq: int = SEQ):
     from autoshard.capture import capture
 
     x, _ = example_batch(MODEL, 2)
-    return capture(build(MODEL), (x,))
+    return capture(build(MODEL), (x[:, :seq],))
+
+
+def _cp_plan(dp: int, cp: int, zero: int = 0):
+    return make_cp_plan(_graph(), _graph(SEQ // cp), dp=dp, cp=cp, family="replicate", global_batch=BATCH, zero=zero)
 
 
 def _plan(family: str, zero: int = 0, **degrees: int):
@@ -46,17 +51,19 @@ def _plan(family: str, zero: int = 0, **degrees: int):
 @functools.cache
 def _runs(tmp: str) -> dict:
     """Per case: rank 0's result. (a) 4 -> 2 ranks, (b) 2 -> 4 ranks, in three worlds."""
-    tp4, dp2 = os.path.join(tmp, "tp4"), os.path.join(tmp, "dp2")
+    tp4, dp2, cp2 = os.path.join(tmp, "tp4"), os.path.join(tmp, "dp2"), os.path.join(tmp, "cp2")
     base = {"model": MODEL, "steps": 2}
     a_save = {**base, "check": "save", "plan": _plan("megatron", tp=4), "path": tp4}
     a_load = {**base, "check": "load", "plan": _plan("replicate", zero=3, dp=2), "path": tp4}
     b_save = {**base, "check": "interrupted", "plan": _plan("replicate", dp=2), "path": dp2, "failing_rank": 1}
     b_load = {**base, "check": "load", "plan": _plan("2d", tp_r=2, tp_c=2), "path": dp2}
+    c_save = {**base, "check": "save", "plan": _cp_plan(1, 2, zero=3), "path": cp2}
+    c_load = {**base, "check": "load", "plan": _cp_plan(2, 2), "path": cp2}
     (a_saved,), *_ = run_world(run_cases, 4, [a_save], timeout_s=300)
-    (a_loaded, b_interrupted), *others = run_world(run_cases, 2, [a_load, b_save], timeout_s=300)
-    (b_loaded,), *_ = run_world(run_cases, 4, [b_load], timeout_s=300)
+    (a_loaded, b_interrupted, c_saved), *others = run_world(run_cases, 2, [a_load, b_save, c_save], timeout_s=300)
+    (b_loaded, c_loaded), *_ = run_world(run_cases, 4, [b_load, c_load], timeout_s=300)
     return {"a_saved": a_saved, "a_loaded": a_loaded, "b": b_interrupted, "b_rank1": others[0][1],
-            "b_loaded": b_loaded, "tp4": tp4, "dp2": dp2}
+            "b_loaded": b_loaded, "tp4": tp4, "dp2": dp2, "c_saved": c_saved, "c_loaded": c_loaded}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +97,15 @@ def test_dp_checkpoint_loads_bitwise_under_2d_on_four_ranks(runs):
     assert not torch.equal(runs["b_loaded"]["before"]["params"]["transformer.h.0.mlp.c_fc.weight"],
                            saved["params"]["transformer.h.0.mlp.c_fc.weight"])
     _assert_bitwise_equal(runs["b_loaded"]["after"], saved)
+
+
+@pytest.mark.timeout(420)
+def test_context_parallel_checkpoint_loads_bitwise_under_another_cp_and_dp(runs):
+    saved, loaded = runs["c_saved"], runs["c_loaded"]
+    assert saved["optim"]["transformer.wte.weight"]["step"].item() == 2
+    assert not torch.equal(loaded["before"]["params"]["transformer.h.0.mlp.c_fc.weight"],
+                           saved["params"]["transformer.h.0.mlp.c_fc.weight"])
+    _assert_bitwise_equal(loaded["after"], saved)
 
 
 @pytest.mark.timeout(420)
