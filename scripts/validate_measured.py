@@ -12,7 +12,8 @@ compare. Writes benchmarks/measured_validation.md and .json (issue 14).
    benchmarks/measured/cpu{2,4}.yaml, and the rounds' spread of the figures that matter most is reported;
 2. plans of a small GPT and a small Llama on 2 and 4 ranks: data parallel, ZeRO-1/2/3, ZeRO per operator, 1D
    tensor parallel, 1D + sequence parallel, 2D, pipelines (GPipe, 1F1B, interleaved, looped BFS), other
-   micro-batches, recompute full and selective, and the planner's own choice, made on the first round's profile;
+   micro-batches, recompute full and selective, context parallel (K/V all-gathered; priced on the rank-local
+   graph), and the planner's own choice, made on the first round's profile;
 3. every plan run on the ranks (one torchrun per world size and pass; `--repeats` passes over all plans,
    `--steps` timed steps each, after `--warmup`): the measured step is the median over passes of the median step;
 4. every plan (the planner's choices too) priced on the median profile of the ranks it runs on; per plan
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,6 +75,9 @@ CONFIGS = [
     ("gpt-pp2-1f1b", GPT, 2, dict(pp=2, micro_batch=2)),
     ("gpt-dp4", GPT, 4, dict(dp=4, micro_batch=2)),
     ("gpt-tp2-dp2", GPT, 4, dict(tp=2, dp=2, micro_batch=4)),
+    # context parallel (issue 16): priced on the rank-local graph (seq / cp tokens), K/V all-gathered
+    ("gpt-cp2", GPT, 2, dict(cp=2, dp=1, micro_batch=4)),
+    ("llama-dp2-cp2", LLAMA, 4, dict(cp=2, dp=2, micro_batch=2)),
 ]
 
 
@@ -148,6 +153,15 @@ def _graphs() -> dict:
     return {m: capture_model(load_model(m)) for m in (GPT, LLAMA)}
 
 
+@functools.cache
+def _local_graph(model: str, cp: int):
+    """The rank-local graph a context-parallel plan of `model` is priced on (seq / cp tokens)."""
+    from autoshard.capture import capture_model
+    from autoshard.models import load_model
+
+    return capture_model(load_model(model, seq=_graphs()[model].seq_len // cp))
+
+
 def _hand_made(graph, family: str):
     from dist_plans import make_plan
 
@@ -174,7 +188,10 @@ def build_plans(only: set[str] | None) -> list[dict]:
         if only and name not in only:
             continue
         cluster = ClusterSpec.parse(str(profile_file(world)))
-        if isinstance(cfg, dict):
+        if isinstance(cfg, dict) and cfg.get("cp", 1) > 1:  # as `estimate --cp` prices and names it
+            plan, _ = estimate(_local_graph(model, cfg["cp"]), cluster, HandConfig(global_batch=BATCH, **cfg))
+            plan = replace(plan, model=graphs[model].model_name, fingerprint=graphs[model].fingerprint())
+        elif isinstance(cfg, dict):
             plan, _ = estimate(graphs[model], cluster, HandConfig(global_batch=BATCH, **cfg))
         else:
             plan, _ = price_plan(_hand_made(graphs[model], cfg), graphs[model], cluster)
@@ -319,7 +336,9 @@ def reprice(entries: list[dict]) -> None:
     graphs = _graphs()
     for e in entries:
         cluster = ClusterSpec.parse(str(profile_file(e["world"])))
-        plan, _ = price_plan(Plan.load(e["path"]), graphs[e["model"]], cluster)
+        plan = Plan.load(e["path"])
+        cp = plan.mesh.degree("cp")
+        plan, _ = price_plan(plan, _local_graph(e["model"], cp) if cp > 1 else graphs[e["model"]], cluster)
         e["predicted_s"], e["breakdown_s"] = plan.prediction.iteration_time_s, plan.prediction.time.seconds()
 
 
