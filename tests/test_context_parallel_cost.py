@@ -119,3 +119,19 @@ def test_the_planner_keeps_cp_off_where_data_parallel_is_faster():
     cp = data["context_parallel"]
     assert cp["chosen_cp"] == 1 and all(t is None or t > cp["without_cp_s"] for t in cp["by_cp_s"].values())
     assert all(axis != "cp" for axis, _ in data["mesh"])
+
+
+def test_runtime_cp_attention_refuses_a_sliding_window_shorter_than_the_sequence():
+    """Before any collective: a window of 8 tokens over 2 x 8-token halves would be attended in full."""
+    import torch
+    from torch import nn
+
+    from autoshard.errors import RuntimeSetupError
+    from autoshard.runtime.context_parallel import _cp_attention, head_tail_positions
+
+    module = nn.Module()
+    module._autoshard_cp = (None, 2, 0)
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(RuntimeSetupError, match="sliding window of 8 tokens"):
+        _cp_attention(module, q, q, q, None, sliding_window=8)
+    assert head_tail_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]

@@ -16,7 +16,8 @@ What runs (the `allgather` variant of cost_models/context_parallel.py, as Llama 
   gradients of ranks that each took the mean loss over equally many tokens.
 
 Models: those whose attention goes through transformers' attention interface with a causal mask (Hugging Face
-Llama, GPT-2, Mistral, Qwen2, ...), without padding masks. Anything else is refused with a clear error.
+Llama, GPT-2, Qwen2, Mistral within its sliding window, ...), without padding masks. Anything else is refused
+with a clear error.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def _cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise RuntimeSetupError("context parallelism runs causal attention without a padding mask; pass no "
                                 "attention_mask (pack sequences to full length)")
     local = query.shape[2]
+    window = kwargs.get("sliding_window")
+    if window is not None and window < local * cp:
+        raise RuntimeSetupError(f"context parallelism runs full causal attention; this model's sliding window of "
+                                f"{window} tokens is shorter than its {local * cp}-token sequences: plan with cp=1")
     c = local // 2
     keys, values = _all_gather_seq(key, group), _all_gather_seq(value, group)
     # gathered in rank order (rank i: chunks i and 2cp-1-i) -> sequence order
