@@ -85,9 +85,11 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
     if dp is None:
         if cluster.num_gpus % (tp * pp * cp):
             what = "tp x pp x cp" if cp > 1 else "tp x pp"
-            raise ConfigurationError(f"{what} = {tp * pp * cp} does not divide the {cluster.num_gpus} GPUs of {cluster}")
+            raise ConfigurationError(f"{what} = {tp * pp * cp} does not divide the {cluster.num_gpus} GPUs of "
+                                     f"{cluster}")
         dp = cluster.num_gpus // (tp * pp * cp)
-    cfg = HandConfig(tp=tp, pp=pp, dp=dp, cp=cp, cp_attention=cp_attention, micro_batch=micro_batch, global_batch=global_batch, recompute=recompute,
+    cfg = HandConfig(tp=tp, pp=pp, dp=dp, cp=cp, cp_attention=cp_attention, micro_batch=micro_batch,
+                     global_batch=global_batch, recompute=recompute,
                      sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero,
                      fused_kernels=fused_kernels, fused_loss=fused_loss, zero_impl=zero_impl,
                      tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision)
@@ -208,13 +210,10 @@ def context_parallel_degrees(model, graph, cluster, space: frozenset[str]) -> li
     """The cp degrees the planner tries for `model`: with "cp" in the space, a causal decoder with a fused
     attention kernel given by reference (its rank-local graph is captured at seq / cp), sequences of at
     least CP_MIN_SEQ tokens, cp dividing the GPUs and cutting each sequence into 2 x cp equal chunks."""
-    from autoshard.planner.contract import attention_kernel
     from autoshard.planner.estimate import check_context_parallel
 
     seq = graph.seq_len
     if "cp" not in space or not isinstance(model, str) or not seq or seq < CP_MIN_SEQ:
-        return []
-    if attention_kernel(graph) not in ("flash", "masked"):
         return []
     out = []
     for cp in (2, 4, 8, 16, 32):

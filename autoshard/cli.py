@@ -494,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=int, default=None, help="samples per iteration (default 4 per GPU)")
     pl.add_argument("--seq", type=int, default=None, help=_SEQ_HELP)
     pl.add_argument("--memory-cap", type=float, default=None, help="GiB per GPU (default: the GPU's memory)")
-    pl.add_argument("--space", default=None, help="families searched: dp,zero,tp1d,tp2d,tp3d,pp,cp (default all; cp from 32,768 tokens "
+    pl.add_argument("--space", default=None,
+                    help="families searched: dp,zero,tp1d,tp2d,tp3d,pp,cp (default all; cp from 32,768 tokens "
                          "per sequence, for models given by name, spec or factory)")
     pl.add_argument("--attention", choices=("auto", "eager", "flash", "sdpa"), default="auto",
                     help="attention kernel priced for zoo and spec models (default auto: flash for decoders, "

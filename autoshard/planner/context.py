@@ -59,7 +59,7 @@ class PlanContext:
     # stride of the tensor-parallel group, by `cp_attention` (cost_models/context_parallel.py)
     cp: int = 1
     cp_attention: str = "allgather"
-    cp_kv_fraction: float = 1.0  # key/value heads per query head (contract.kv_head_fraction): what cp moves
+    cp_kv_fraction: float = 1.0  # the attention kernel's K/V the model holds (contract.kv_head_fraction)
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,7 +122,7 @@ class PlanContext:
     @property
     def cp_group(self) -> GroupPlacement:
         """Placement of a cp group: cp ranks spaced by the tensor-parallel degree (cp sits just inside dp)."""
-        key = ("cp_group",)
+        key = ("cp_group", self.cp)
         if key not in self._cache:
             self._cache[key] = group_placement([(self.mesh.tp_degree, self.cp)], self.cluster.gpus_per_node)
         return self._cache[key]
@@ -131,7 +131,7 @@ class PlanContext:
         """Seconds of one collective over the cp group (memoized)."""
         if self.cp == 1 or nbytes <= 0:
             return 0.0
-        key = ("cp", collective, float(nbytes))
+        key = ("cp", self.cp, collective, float(nbytes))
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = collective_time_s(collective, nbytes, self.cp_group, self.cluster)

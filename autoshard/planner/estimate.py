@@ -109,7 +109,8 @@ def check_batch(global_batch: int, dp: int, micro_batch: int) -> int:
 def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
     n = cfg.tp * cfg.pp * cfg.dp * cfg.cp
     if n != cluster.num_gpus:
-        cp = f" x cp = {cfg.tp} x {cfg.pp} x {cfg.dp} x {cfg.cp}" if cfg.cp > 1 else f" = {cfg.tp} x {cfg.pp} x {cfg.dp}"
+        degrees = f"{cfg.tp} x {cfg.pp} x {cfg.dp}" + (f" x {cfg.cp}" if cfg.cp > 1 else "")
+        cp = f" x cp = {degrees}" if cfg.cp > 1 else f" = {degrees}"
         raise ConfigurationError(
             f"tp x pp x dp{cp} = {n}, but cluster {cluster} has {cluster.num_gpus} GPUs; choose degrees whose "
             f"product is {cluster.num_gpus}")
@@ -178,8 +179,8 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     mesh = MeshSpec.of(**{a: d for a, d in (("pp", cfg.pp), ("dp", cfg.dp), ("cp", cfg.cp), ("tp", cfg.tp))
                           if d > 1})
     priced = mesh.folded_cp()
-    ctx = PlanContext(mesh=priced, cluster=cluster, cp=cfg.cp, cp_attention=cfg.cp_attention,
-                      cp_kv_fraction=kv_head_fraction(graph) if cfg.cp > 1 else 1.0, micro_batch=cfg.micro_batch, num_microbatches=m,
+    ctx = PlanContext(mesh=priced, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
+                      cp=cfg.cp, cp_attention=cfg.cp_attention, cp_kv_fraction=kv_head_fraction(graph),
                       precision=PRECISIONS[cfg.precision] if cfg.precision else default_precision(cluster),
                       recompute=cfg.recompute, seq=graph.seq_len,
                       fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, zero_impl=cfg.zero_impl,

@@ -484,14 +484,15 @@ def _context_parallel_attention(op: Op, st: OpStrategy, ctx: PlanContext, fwd: f
     cp = ctx.cp
     fwd, bwd = fwd * cp, bwd * cp
     kv = _cp_local_kv_bytes(op, st, ctx)
-    if ctx.cp_attention == "ring":
+    forward = _cp_forward_comm(op, st, ctx)
+    if ctx.cp_attention == "ring":  # backward passes K/V and their gradients: twice the bytes
         slow = ctx.gpu.overlap_slowdown
         f = ring_exposed_s(ctx.cp_p2p_s(kv), fwd / cp, cp, slowdown=slow)
         b = ring_exposed_s(ctx.cp_p2p_s(2 * kv), bwd / cp, cp, slowdown=slow)
-        return fwd, bwd, f, b, [("p2p", (cp - 1) * kv), ("p2p", (cp - 1) * 2 * kv)], 0.0
+        return fwd, bwd, f, b, [*forward, ("p2p", (cp - 1) * 2 * kv)], 0.0
     full = gathered_kv_bytes(kv, cp)
     return (fwd, bwd, ctx.cp_collective_s("all_gather", full), ctx.cp_collective_s("reduce_scatter", full),
-            [("all_gather", full), ("reduce_scatter", full)], full - kv)
+            [*forward, ("reduce_scatter", full)], full - kv)
 
 
 # -- edges -------------------------------------------------------------------------------------------------

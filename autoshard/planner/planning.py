@@ -12,7 +12,7 @@ from autoshard.planner.ilp import solver_name
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.opcost import edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.plan import OpPlan, OpStrategy, Plan
-from autoshard.planner.search import SearchResult, allowed, search
+from autoshard.planner.search import SearchResult, allowed, candidate_context, search
 from autoshard.planner.strategies import strategies_for
 from autoshard.planner.template import template_for
 
@@ -67,7 +67,7 @@ def runner_ups(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, 
 def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_batch: int,
                      space: frozenset[str]) -> Plan:
     cand = result.candidate
-    ctx = _ctx(graph, cluster, cand)
+    ctx = candidate_context(graph, cluster, cand)
     ru = runner_ups(graph, result.assignment, ctx, result, space)
     tg, _ = template_for(graph, cand.pipe)
     ops = []
@@ -85,24 +85,14 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
                           runner_up_memory_bytes=r[3] if r else None))
     mesh = cand.mesh
     if cand.cp > 1:  # the plan as it runs: dp and cp apart, whole sequences (planner/estimate.py)
-        mesh = MeshSpec.of(**{a: d for a, d in mesh.axes if a != "dp"}, dp=mesh.degree("dp") // cand.cp, cp=cand.cp)
-        mesh = MeshSpec(axes=tuple((a, d) for a, d in mesh.axes if d > 1 or a == "cp"))
+        dp = mesh.degree("dp") // cand.cp
+        mesh = MeshSpec.of(**{a: d for a, d in mesh.axes if a != "dp"}, **({"dp": dp} if dp > 1 else {}), cp=cand.cp)
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
                 global_batch=global_batch // cand.cp, micro_batch=cand.micro_batch,
                 seq=graph.seq_len * cand.cp if graph.seq_len else graph.seq_len,
                 recompute=cand.recompute, pipeline=cand.pipe, ops=tuple(ops), prediction=result.evaluation.prediction,
                 space=tuple(sorted(space)), solve_time_s=result.solve_time_s, attention=attention_kernel(graph),
                 solver=solver_name(), optimal=result.optimal)
-
-
-def _ctx(graph, cluster, cand) -> PlanContext:
-    from autoshard.planner.context import default_precision
-    from autoshard.planner.contract import kv_head_fraction
-
-    return PlanContext(mesh=cand.mesh, cluster=cluster, micro_batch=cand.micro_batch,
-                       num_microbatches=cand.num_microbatches, precision=default_precision(cluster),
-                       recompute=cand.recompute, seq=graph.seq_len, cp=cand.cp,
-                       cp_kv_fraction=kv_head_fraction(graph) if cand.cp > 1 else 1.0)
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str], cap_bytes: float | None = None,

@@ -28,7 +28,7 @@ def context_for(plan: Plan, cluster, graph: OpGraph) -> PlanContext:
     return PlanContext(mesh=plan.mesh.folded_cp(), cluster=cluster, micro_batch=plan.micro_batch,
                        num_microbatches=plan.num_microbatches, precision=default_precision(cluster),
                        recompute=plan.recompute, seq=graph.seq_len, cp=cp,
-                       cp_kv_fraction=kv_head_fraction(graph) if cp > 1 else 1.0)
+                       cp_kv_fraction=kv_head_fraction(graph))
 
 
 def priced_graph(plan: Plan, graph: OpGraph) -> OpGraph:

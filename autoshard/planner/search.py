@@ -52,7 +52,8 @@ from autoshard.planner.stages import balanced_stage_layers
 from autoshard.planner.strategies import strategies_for
 from autoshard.planner.template import template_for
 
-__all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search", "parse_space", "allowed"]
+__all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search", "parse_space", "allowed",
+           "candidate_context"]
 
 log = logging.getLogger(__name__)
 SPACE = ("dp", "zero", "tp1d", "tp2d", "tp3d", "pp", "cp")
@@ -297,21 +298,22 @@ def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] 
                     "not proven optimal; raise the time limit for the optimum", num_time_limited, solved, time_limit_s)
     best.optimal = not (num_time_limited or stopped_early)
     best.assignment = expand_assignment(graph, best.assignment)
-    best.evaluation = evaluate(graph, best.assignment, _context(graph, cluster, best.candidate), best.candidate.pipe,
+    best.evaluation = evaluate(graph, best.assignment, candidate_context(graph, cluster, best.candidate),
+                               best.candidate.pipe,
                                global_batch=global_batch)
     best.considered, best.solved, best.pruned_memory = len(cands), solved, pruned
     best.solve_time_s = time.perf_counter() - t0
     return best
 
 
-def _context(graph, cluster, cand: Candidate, cache: dict | None = None) -> PlanContext:
+def candidate_context(graph, cluster, cand: Candidate, cache: dict | None = None) -> PlanContext:
     """The candidate's PlanContext; with the search's `cache`, contexts on one mesh share their memo of group
     placements and collective times (they depend on the mesh and cluster only)."""
     memo = {} if cache is None else cache.setdefault(("context memo", cand.mesh), {})
     return PlanContext(mesh=cand.mesh, cluster=cluster, micro_batch=cand.micro_batch,
                        num_microbatches=cand.num_microbatches, precision=default_precision(cluster),
                        recompute=cand.recompute, seq=graph.seq_len, _cache=memo, cp=cand.cp,
-                       cp_kv_fraction=kv_head_fraction(graph) if cand.cp > 1 else 1.0)
+                       cp_kv_fraction=kv_head_fraction(graph))
 
 
 @dataclass
@@ -328,7 +330,7 @@ def _prepare(graph, cluster, cand: Candidate, space, cache) -> _Prepared | None:
     if strategies is None:
         return None
     key = ("costs", cand.mesh, cand.micro_batch, cand.num_microbatches, cand.recompute)
-    ctx = _context(graph, cluster, cand, cache)
+    ctx = candidate_context(graph, cluster, cand, cache)
     if key not in cache:
         sites = op_sites(graph)
         memo = cache.setdefault("op_parts", {})
@@ -352,7 +354,7 @@ def _tighten(graph, cluster, cand: Candidate, step: int, space, cap: float, targ
         strategies = _strategies(graph, cand, space, cache)
         if strategies is None:
             return None, True  # no strategy of some op
-        return compute_bound_s(graph, cand, _context(graph, cluster, cand, cache), strategies, cache,
+        return compute_bound_s(graph, cand, candidate_context(graph, cluster, cand, cache), strategies, cache,
                                edges=step == _KERNELS), True
     if step == _EDGES:
         if i not in pending:
@@ -405,7 +407,8 @@ def _infeasible(graph, cluster, cands, global_batch, space, cap, cache, pruned):
         strategies = _strategies(graph, cand, space, cache)
         if strategies is None:
             continue
-        problem = build_problem(graph, _context(graph, cluster, cand), cand.pipe, strategies, cap_bytes=math.inf,
+        problem = build_problem(graph, candidate_context(graph, cluster, cand), cand.pipe, strategies,
+                                cap_bytes=math.inf,
                                 minimize_memory=True)
         sol = solve(problem, time_limit_s=10.0)
         if sol.status != "infeasible":

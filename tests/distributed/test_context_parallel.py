@@ -27,13 +27,15 @@ ATOL = 1e-5
 BATCH = 4
 
 # id: (world size, model, dp, cp, plan options); qwen2: grouped-query attention (2 key/value heads of 4);
-# "recompute": full recompute, whose recomputed attention gathers the keys and values again
+# "recompute": full recompute, whose recomputed attention gathers the keys and values again; "planner": the
+# plan the planner's CP search returns (planning.make_plan with cp, as api._best_plan calls it), not a family
 CASES = {
     "llama-cp2": (2, "llama", 1, 2, {}),
     "llama-cp2-full-recompute": (2, "llama", 1, 2, {"recompute": "full"}),
     "gpt2-cp2": (2, "gpt2", 1, 2, {}),
     "qwen2-cp2-zero3": (2, "qwen2", 1, 2, {"zero": 3}),
     "llama-dp2-cp2": (4, "llama", 2, 2, {}),
+    "llama-cp2-planner": (2, "llama", 1, 2, {"planner": True}),
 }
 
 
@@ -43,6 +45,15 @@ def _graph(model: str, seq: int):
 
     x, _ = example_batch(model, 2)
     return capture(build(model), (x[:, :seq],))
+
+
+def _planner_plan(model: str, cluster, cp: int):
+    from autoshard.planner.planning import make_plan
+
+    full, local = _graph(model, SEQ), _graph(model, SEQ // cp)
+    plan, _ = make_plan(local, cluster, global_batch=BATCH * cp, space=frozenset({"dp", "zero"}), cp=cp)
+    assert plan.mesh.degree("cp") == cp
+    return replace(plan, model=full.model_name, fingerprint=full.fingerprint())
 
 
 @functools.cache
@@ -55,9 +66,12 @@ def _world_results(world: int) -> dict[str, dict]:
         local = _graph(model, SEQ // cp)
         options = dict(options)
         recompute = options.pop("recompute", "none")
-        plan = make_cp_plan(_graph(model, SEQ), local, dp=dp, cp=cp, family="replicate", global_batch=BATCH,
-                            **options)
-        plan = replace(plan, recompute=recompute)
+        if options.pop("planner", False):
+            plan = _planner_plan(model, cluster, cp)
+        else:
+            plan = make_cp_plan(_graph(model, SEQ), local, dp=dp, cp=cp, family="replicate", global_batch=BATCH,
+                                **options)
+            plan = replace(plan, recompute=recompute)
         cases.append({"id": case_id, "model": model, "batch": BATCH, "plan": plan, "graph": local,
                       "predicted_param_bytes": predicted_param_bytes(plan, local, cluster),
                       "predicted_comm": predicted_step_comm(plan, local, cluster)})
