@@ -31,7 +31,8 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
                     zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False,
                     zero_impl: str = "fsdp2",
                     tp_comm_overlap: str | bool = "", allocator: str = "expandable", precision: str | None = None,
-                    cp: int = 1, cp_attention: str = "allgather", check_memory: bool = True):
+                    cp: int = 1, cp_attention: str = "allgather", ep: int = 1, ep_imbalance: float | None = None,
+                    check_memory: bool = True):
     """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
 
     `attention` for zoo and spec models: "flash" (causal FlashAttention-2, what PyTorch SDPA, Megatron-Core,
@@ -54,13 +55,17 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     `cp`: context parallelism, each sequence's tokens over cp ranks (tp x pp x dp x cp GPUs); `cp_attention`:
     how attention gets the other ranks' keys and values, "allgather" (what autoshard's runtime runs, as Llama 3
     did) or "ring" (ring attention: torch's SDPA context_parallel, Megatron-Core); cost_models/context_parallel.py.
+    `ep`: expert parallelism, each MoE layer's experts over ep of the dp ranks (a divisor of dp: no GPUs of its
+    own); `ep_imbalance`: the busiest rank's routed rows over the mean (default: `ep_load_imbalance`, 1.25 for
+    one of 8 experts per rank);
+    cost_models/expert_parallel.py.
     """
     attention = resolve_attention(model, attention)
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
               recompute=recompute, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
               schedule=schedule, zero=zero, fused_kernels=fused_kernels, fused_loss=fused_loss,
               zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision,
-              cp=cp, cp_attention=cp_attention)
+              cp=cp, cp_attention=cp_attention, ep=ep, ep_imbalance=ep_imbalance)
     return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
 
@@ -79,7 +84,7 @@ def capture_ref(ref, *, seq: int | None = None, attn: str | None = None):
 
 def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
               virtual_stages, schedule, zero, attn, check_memory, fused_kernels, fused_loss, zero_impl,
-              tp_comm_overlap, allocator, precision=None, cp=1, cp_attention="allgather"):
+              tp_comm_overlap, allocator, precision=None, cp=1, cp_attention="allgather", ep=1, ep_imbalance=None):
     cluster = resolve_cluster(cluster)
     require_positive("cp", cp)
     if dp is None:
@@ -92,7 +97,8 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
                      global_batch=global_batch, recompute=recompute,
                      sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero,
                      fused_kernels=fused_kernels, fused_loss=fused_loss, zero_impl=zero_impl,
-                     tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision)
+                     tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision, ep=ep,
+                     ep_imbalance=ep_imbalance)
     graph = capture_ref(model, seq=seq, attn=attn)
     if cp > 1:  # priced on the rank-local graph; the plan names the model as the user runs it
         full = graph

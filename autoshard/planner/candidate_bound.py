@@ -57,7 +57,7 @@ def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict
     kernels = {}
     for op in tg.ops:
         again = repeats_forward(op, cand.recompute, sites[op.name]["selective_keep"], graph.seq_len)
-        key = ("kernels", op.name, cand.mesh.spmd_signature, ctx.on_dtensors, cand.micro_batch, again)
+        key = ("kernels", op.name, cand.mesh.spmd_signature, ctx.on_dtensors, cand.micro_batch, again, cand.ep)
         hit = cache.get(key)
         if hit is None:
             hit = cache[key] = [f + b + (f if again else 0.0)
@@ -72,7 +72,7 @@ def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict
         # micro-batch and recompute mode, whatever the pipeline and data-parallel degrees
         key = ("stage kernels", names, tuple(tg.per_stage[name][k] for name in names),
                tuple(e.per_stage[k] for e in tg.edges) if edges else None, cand.mesh.spmd_signature,
-               ctx.on_dtensors, cand.micro_batch, cand.recompute)
+               ctx.on_dtensors, cand.micro_batch, cand.recompute, cand.ep)
         t = cache.get(key)
         if t is None:
             if not edges:

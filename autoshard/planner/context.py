@@ -60,6 +60,12 @@ class PlanContext:
     cp: int = 1
     cp_attention: str = "allgather"
     cp_kv_fraction: float = 1.0  # the attention kernel's K/V the model holds (contract.kv_head_fraction)
+    # expert parallelism: the experts of each MoE layer over ep consecutive ranks of the dp group; their
+    # weights' data parallelism runs over the dp / ep ranks holding the same experts, and the busiest rank's
+    # share of routed rows is `ep_imbalance` times the mean (None: `ep_load_imbalance` of ep and the layer's
+    # experts; cost_models/expert_parallel.py)
+    ep: int = 1
+    ep_imbalance: float | None = None
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +80,9 @@ class PlanContext:
         if self.cp < 1 or self.cp_attention not in CP_ATTENTION:
             raise ValueError(f"cp must be >= 1 and cp_attention one of {CP_ATTENTION}, got {self.cp}, "
                              f"{self.cp_attention!r}")
+        if self.ep < 1 or self.mesh.degree("dp") % self.ep or (self.ep_imbalance or 1.0) < 1.0:
+            raise ValueError(f"ep must divide the dp degree {self.mesh.degree('dp')} and ep_imbalance be >= 1, got "
+                             f"ep={self.ep}, ep_imbalance={self.ep_imbalance}")
         if self.mesh.size > self.cluster.num_gpus:
             raise ValueError(f"mesh {self.mesh} needs {self.mesh.size} GPUs; the cluster has {self.cluster.num_gpus}")
 
@@ -135,6 +144,28 @@ class PlanContext:
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = collective_time_s(collective, nbytes, self.cp_group, self.cluster)
+        return hit
+
+    def ep_group(self, outer: bool = False) -> GroupPlacement:
+        """Placement of an ep group (ep consecutive dp ranks, at dp's stride), or with `outer` of the dp / ep
+        ranks holding the same experts (at ep times dp's stride)."""
+        key = ("ep_group", self.ep, outer)
+        if key not in self._cache:
+            stride = self.mesh.stride("dp") if "dp" in self.mesh.names else 1
+            axis = (stride * self.ep, self.mesh.degree("dp") // self.ep) if outer else (stride, self.ep)
+            self._cache[key] = group_placement([axis], self.cluster.gpus_per_node)
+        return self._cache[key]
+
+    def ep_collective_s(self, collective: str, nbytes: float, *, outer: bool = False) -> float:
+        """Seconds of one collective over the ep group, or with `outer` over the dp / ep ranks holding the
+        same experts (their weights' data parallelism; memoized)."""
+        group = self.ep_group(outer)
+        if group.size == 1 or nbytes <= 0:
+            return 0.0
+        key = ("ep", self.ep, outer, collective, float(nbytes))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = collective_time_s(collective, nbytes, group, self.cluster)
         return hit
 
     def cp_p2p_s(self, nbytes: float) -> float:

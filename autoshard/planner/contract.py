@@ -17,6 +17,9 @@ that does not (a plan file from elsewhere, an edited one).
   mixture-of-experts layers in `transformers`; DTensor's sharding propagation runs its meta kernel, which
   takes only bf16) trains on plain tensors, data parallel and sharded data parallel per operator: no
   tensor-parallel mesh and no pipeline (whose stages compute on DTensors) is offered for it.
+- Expert parallelism (runtime/expert_parallel.py) runs on those plain tensors: the experts of every MoE layer
+  over ep consecutive ranks of the dp group, ep dividing dp and the experts per layer; not with context
+  parallelism.
 - Convolutions are replicated on the tensor-parallel axes (the runtime has no channel-parallel convolution;
   planner/strategies.py offers only those strategies for them).
 - Schedules: 1F1B needs at least as many micro-batches as stages; interleaved 1F1B a number of
@@ -26,11 +29,13 @@ that does not (a plan file from elsewhere, an edited one).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.planner.cache import graph_cache
 
-__all__ = ["attention_kernel", "ATTENTION_KERNELS", "spmd_blocker", "expert_ops", "attention_head_counts", "kv_head_fraction", "projection_head_slices", "largest_head_divisor",
+__all__ = ["attention_kernel", "ATTENTION_KERNELS", "spmd_blocker", "expert_ops", "ExpertRole", "expert_roles",
+           "num_experts", "expert_parallel_degrees", "attention_head_counts", "kv_head_fraction", "projection_head_slices", "largest_head_divisor",
            "pipeline_blocker", "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
 
 # autoshard's own test models whose chunk forwards runtime/pipeline_split.py describes by hand
@@ -42,6 +47,55 @@ def expert_ops(graph: OpGraph) -> list[str]:
     """Ops holding a stack of expert weights (a 3-D parameter: experts x out x in), as capture records the
     grouped expert matmuls of mixture-of-experts layers."""
     return [op.name for op in graph.ops if op.kind is OpKind.LINEAR and any(len(p.shape) == 3 for p in op.params)]
+
+
+@dataclass(frozen=True)
+class ExpertRole:
+    """An op between (and including) the first and last grouped expert matmul of one MoE layer: it runs on the
+    rows routed to this rank's experts, which expert parallelism moves (cost_models/expert_parallel.py)."""
+
+    module: str  # the experts module's path
+    experts: int  # E: experts of the layer
+    dispatch: int = 0  # > 0 on the first grouped matmul: the hidden size of the rows dispatched to it
+    combine: int = 0  # > 0 on the last: the hidden size of the rows combined back after it
+    unit_numel: int = 0  # the layer's expert weights (one FSDP unit under expert parallelism)
+
+
+def expert_roles(graph: OpGraph) -> dict[str, ExpertRole]:
+    """Op -> its ExpertRole, for the ops of every MoE layer that run on routed rows (the grouped expert
+    matmuls and the pointwise ops between them); empty for a dense model."""
+    cache = graph_cache(graph)
+    if "expert_roles" not in cache:
+        by_module: dict[str, list[int]] = {}
+        names = set(expert_ops(graph))
+        for i, op in enumerate(graph.ops):
+            if op.name in names:
+                by_module.setdefault(op.module_path, []).append(i)
+        out: dict[str, ExpertRole] = {}
+        for module, idx in by_module.items():
+            first, last = graph.ops[idx[0]], graph.ops[idx[-1]]
+            experts = next(p.shape[0] for p in first.params if len(p.shape) == 3)
+            unit = sum(graph.ops[i].param_numel for i in idx)
+            for op in graph.ops[idx[0]:idx[-1] + 1]:
+                if op.module_path == module or op.module_path.startswith(module + "."):
+                    out[op.name] = ExpertRole(module, experts,
+                                              dispatch=op.input_meta[0].shape[-1] if op is first else 0,
+                                              combine=op.output_meta.shape[-1] if op is last else 0,
+                                              unit_numel=unit)
+        cache["expert_roles"] = out
+    return cache["expert_roles"]
+
+
+def num_experts(graph: OpGraph) -> int:
+    """Experts per MoE layer (the gcd over layers that differ), 0 for a dense model."""
+    counts = {r.experts for r in expert_roles(graph).values()}
+    return math.gcd(*counts) if counts else 0
+
+
+def expert_parallel_degrees(graph: OpGraph, dp: int) -> tuple[int, ...]:
+    """ep degrees the runtime runs on a dp group of `dp` ranks: > 1, dividing dp and the experts per layer."""
+    experts = num_experts(graph)
+    return tuple(e for e in range(2, dp + 1) if dp % e == 0 and experts and experts % e == 0)
 
 
 def spmd_blocker(graph: OpGraph) -> str | None:

@@ -3,7 +3,10 @@
 A context-parallel configuration (cp > 1) is priced on the rank-local graph, captured at seq / cp tokens, on
 the mesh with cp folded into dp (`MeshSpec.folded_cp`), with cp times the sequences of that length in a
 global batch; attention's own work and traffic over the cp group come from `PlanContext.cp`
-(cost_models/context_parallel.py). The plan it returns carries the real mesh and sequence length."""
+(cost_models/context_parallel.py). The plan it returns carries the real mesh and sequence length.
+
+An expert-parallel configuration (ep > 1) keeps the mesh: ep is a divisor of dp, the ranks of each ep group
+consecutive dp ranks (`PlanContext.ep`, cost_models/expert_parallel.py); the plan records it as `Plan.ep`."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from autoshard.planner.contract import (
     attention_head_counts,
     attention_kernel,
     kv_head_fraction,
+    num_experts,
     pipeline_blocker,
     projection_head_slices,
 )
@@ -29,7 +33,7 @@ from autoshard.planner.manual import even_stage_layers, megatron_assignment
 from autoshard.planner.plan import SCHEDULES, OpPlan, PipelineSpec, Plan
 from autoshard.planner.stages import balanced_stage_layers
 
-__all__ = ["HandConfig", "estimate", "check_batch", "check_context_parallel"]
+__all__ = ["HandConfig", "estimate", "check_batch", "check_context_parallel", "check_expert_parallel"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +43,10 @@ class HandConfig:
     dp: int = 1
     cp: int = 1  # context parallel: the tokens of each sequence over cp ranks (cost_models/context_parallel.py)
     cp_attention: str = "allgather"  # how attention gets the other ranks' keys and values: allgather or ring
+    # expert parallel: each MoE layer's experts over ep of the dp ranks (cost_models/expert_parallel.py), the
+    # busiest rank routed ep_imbalance times the mean rows (None: the cost model's ep_load_imbalance)
+    ep: int = 1
+    ep_imbalance: float | None = None
     micro_batch: int = 1
     global_batch: int = 1
     recompute: str = "none"
@@ -63,7 +71,7 @@ class HandConfig:
         if self.tp_comm_overlap not in TP_OVERLAP:
             raise ConfigurationError(f"tp_comm_overlap={self.tp_comm_overlap!r}: use 'backward' or 'all' (or leave "
                                      "it off)", params=("tp_comm_overlap",))
-        for name in ("tp", "pp", "dp", "cp", "micro_batch", "global_batch", "virtual_stages"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "global_batch", "virtual_stages"):
             require_positive(name, getattr(self, name))
         if self.virtual_stages > 1 and self.pp == 1:  # checked here: before the model is captured
             raise ConfigurationError("virtual_stages > 1 needs pp > 1", params=("virtual_stages", "pp"))
@@ -86,6 +94,16 @@ class HandConfig:
         if self.cp_attention not in CP_ATTENTION:
             raise ConfigurationError(f"cp_attention={self.cp_attention!r}: use one of {', '.join(CP_ATTENTION)}",
                                      params=("cp_attention",))
+        if self.ep > 1 and self.dp % self.ep:
+            raise ConfigurationError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism spreads the experts "
+                                     "over ranks of the data-parallel group; pick an ep that divides dp",
+                                     params=("ep", "dp"))
+        if self.ep > 1 and self.cp > 1:
+            raise ConfigurationError("ep > 1 with cp > 1 is not supported (the runtime runs expert parallelism on "
+                                     "data-parallel ranks only); use one of them", params=("ep", "cp"))
+        if self.ep_imbalance is not None and self.ep_imbalance < 1.0:
+            raise ConfigurationError(f"ep_imbalance={self.ep_imbalance}: the busiest rank's rows over the mean is at "
+                                     "least 1", params=("ep_imbalance",))
         if self.allocator not in ALLOCATORS:
             raise ConfigurationError(f"allocator={self.allocator!r}: use one of {', '.join(ALLOCATORS)}",
                                      params=("allocator",))
@@ -116,6 +134,8 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
             f"product is {cluster.num_gpus}")
     if cfg.cp > 1:
         check_context_parallel(graph, cfg.cp)
+    if cfg.ep > 1:
+        check_expert_parallel(graph, cfg.ep)
     bad_heads = [h for h in attention_head_counts(graph) if h % cfg.tp]
     if bad_heads:
         raise ConfigurationError(f"tp={cfg.tp} does not divide the {' and '.join(map(str, bad_heads))} attention "
@@ -156,6 +176,17 @@ def check_context_parallel(local_graph: OpGraph, cp: int) -> None:
                                  params=("cp", "seq"))
 
 
+def check_expert_parallel(graph: OpGraph, ep: int) -> None:
+    """Expert parallelism needs MoE layers whose experts divide by ep (contract.expert_parallel_degrees)."""
+    experts = num_experts(graph)
+    if not experts:
+        raise ConfigurationError(f"ep={ep}: this model has no mixture-of-experts layers (no grouped expert "
+                                 "weights) to spread; use ep=1", params=("ep",))
+    if experts % ep:
+        raise ConfigurationError(f"ep={ep} does not divide the {experts} experts per layer; pick an ep that "
+                                 "divides it", params=("ep",))
+
+
 def _stage_layers(graph: OpGraph, pp: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:
     """Megatron's even split when the layers divide into the chunks; otherwise the cost-balanced split the
     planner uses (embeddings and head counted), as DeepSpeed's partitioner or Megatron's
@@ -181,6 +212,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     priced = mesh.folded_cp()
     ctx = PlanContext(mesh=priced, cluster=cluster, micro_batch=cfg.micro_batch, num_microbatches=m,
                       cp=cfg.cp, cp_attention=cfg.cp_attention, cp_kv_fraction=kv_head_fraction(graph),
+                      ep=cfg.ep, ep_imbalance=cfg.ep_imbalance,
                       precision=PRECISIONS[cfg.precision] if cfg.precision else default_precision(cluster),
                       recompute=cfg.recompute, seq=graph.seq_len,
                       fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, zero_impl=cfg.zero_impl,
@@ -194,7 +226,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     plan = Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
                 global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
                 seq=graph.seq_len * cfg.cp if graph.seq_len else graph.seq_len,
-                recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",),
+                recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",), ep=cfg.ep,
                 attention=attention_kernel(graph),
                 ops=tuple(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer,
                                  inputs=op.inputs,

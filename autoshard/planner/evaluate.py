@@ -46,6 +46,7 @@ from autoshard.cost_models.memory import (
 from autoshard.cost_models.overlap import exposed_beside_s, exposed_comm_s
 from autoshard.planner.cache import graph_cache
 from autoshard.planner.context import PlanContext
+from autoshard.planner.contract import expert_roles
 from autoshard.planner.layouts import BATCH, SEQ, Layout
 from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost, score_shaped
 from autoshard.planner.plan import OpStrategy, PipelineSpec, Prediction
@@ -122,12 +123,14 @@ def selective_keeps(graph: OpGraph) -> dict[str, bool]:
 
 def op_sites(graph: OpGraph) -> dict[str, dict]:
     """`op_cost` keyword arguments per op: the block input it keeps under full recompute, its FSDP unit,
-    whether selective recompute keeps its output."""
+    whether selective recompute keeps its output, its place in a MoE layer."""
     cache = graph_cache(graph)
     if "op_sites" not in cache:
         firsts, units, keeps = block_inputs(graph), dp_units(graph), selective_keeps(graph)
+        experts = expert_roles(graph)
         cache["op_sites"] = {op.name: {"block_input": firsts.get(op.name), "unit_numel": units.get(op.name),
-                                       "selective_keep": keeps.get(op.name)} for op in graph.ops}
+                                       "selective_keep": keeps.get(op.name), "expert": experts.get(op.name)}
+                             for op in graph.ops}
     return cache["op_sites"]
 
 

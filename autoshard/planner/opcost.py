@@ -31,9 +31,16 @@ from autoshard.cost_models.compute import (
     memory_bound_time_s,
 )
 from autoshard.cost_models.context_parallel import gathered_kv_bytes, ring_exposed_s
+from autoshard.cost_models.expert_parallel import (
+    counts_bytes,
+    dispatch_bytes,
+    ep_load_imbalance,
+    grouped_gemm_rows,
+)
 from autoshard.cost_models.memory import model_state_bytes, tensor_bytes
 from autoshard.cost_models.zero_impl import gathers_overlap, zero3_gather_s
 from autoshard.planner.context import PlanContext
+from autoshard.planner.contract import ExpertRole
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
 from autoshard.planner.plan import OpStrategy
 
@@ -113,6 +120,18 @@ def grad_partial_axes(strategy: OpStrategy) -> frozenset[str]:
     return frozenset(a for a, p in w.items if p == OUT and strategy.inputs[0].get(a) == REPLICATE)
 
 
+def _expert_shards(op: Op, ctx: PlanContext) -> int:
+    """Ranks a grouped expert matmul's expert weights are split over: ep under expert parallelism, else 1."""
+    return ctx.ep if ctx.ep > 1 and any(len(p.shape) == 3 for p in op.params) else 1
+
+
+def _param_dp(op: Op, ctx: PlanContext) -> tuple[int, bool]:
+    """(ranks an op's parameters are data parallel over, whether that is the dp / ep group of the ranks holding
+    the same experts rather than dp)."""
+    ep = _expert_shards(op, ctx)
+    return ctx.mesh.degree("dp") // ep, ep > 1
+
+
 # -- compute ----------------------------------------------------------------------------------------------
 def kernel_times_s(op: Op, st: OpStrategy, ctx: PlanContext, memo: dict | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of the op's own work under `st` (`_compute_s`), without communication,
@@ -122,7 +141,7 @@ def kernel_times_s(op: Op, st: OpStrategy, ctx: PlanContext, memo: dict | None =
         return _compute_s(op, st, ctx)
     mesh = ctx.mesh
     key = ("compute", op.name, st, ctx.micro_batch, mesh.spmd_signature, ctx.on_dtensors, ctx.fused_pointwise,
-           ctx.precision)
+           ctx.precision, _expert_shards(op, ctx))
     hit = memo.get(key)
     if hit is None:
         hit = memo[key] = _compute_s(op, st, ctx)
@@ -157,6 +176,14 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
         n_local = max(1, n // _deg(w, ctx, (OUT,)))
         k_local = max(1, k // _deg(w, ctx, (IN,)))
         ab = prec.act_bytes
+        experts = next((p.shape[0] for p in op.params if len(p.shape) == 3), 0)
+        if experts:  # grouped expert matmul: one GEMM per local expert (cost_models/expert_parallel.py)
+            g = experts // _expert_shards(op, ctx)
+            rows = max(1, round(grouped_gemm_rows(m_local, g)))
+            fwd = gemm_time_s(rows, n_local, k_local, gpu, batch=g, bytes_per_elem=ab)
+            dw = gemm_time_s(n_local, k_local, rows, gpu, batch=g, bytes_per_elem=ab)
+            dx = gemm_time_s(rows, k_local, n_local, gpu, batch=g, bytes_per_elem=ab) if op.needs_input_grad else 0.0
+            return fwd, dw + dx
         fwd = gemm_time_s(m_local, n_local, k_local, gpu, bytes_per_elem=ab)
         dw = gemm_time_s(n_local, k_local, m_local, gpu, bytes_per_elem=ab)
         dx = gemm_time_s(m_local, k_local, n_local, gpu, bytes_per_elem=ab) if op.needs_input_grad else 0.0
@@ -203,7 +230,8 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
     """(states, tp fwd/bwd s, dp fwd/bwd/iter s, transient bytes, comm records) of the op's parameters.
     `unit_numel`: parameters of the FSDP unit the op belongs to (its block); None: the op is its own unit."""
     prec, mesh = ctx.precision, ctx.mesh
-    dp = mesh.degree("dp")
+    dp, outer = _param_dp(op, ctx)
+    ep = _expert_shards(op, ctx)
     p_b = g_b = o_b = 0.0
     tp_f = tp_b = dp_f = dp_b = dp_i = dp_s = dp_g = transient = 0.0
     comm: list[tuple[str, float]] = []
@@ -215,8 +243,9 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
         if not meta.owner:  # a tied parameter is held, synchronized and gathered by its owner op
             continue
         numel = meta.numel
-        local = numel / _deg(pp.storage, ctx, (OUT, IN))
-        at_compute = numel / _deg(pp.compute, ctx, (OUT, IN))
+        experts = ep if len(meta.shape) == 3 else 1  # this rank's experts only
+        local = numel / _deg(pp.storage, ctx, (OUT, IN)) / experts
+        at_compute = numel / _deg(pp.compute, ctx, (OUT, IN)) / experts
         p, g, o = model_state_bytes(local, prec, zero=st.zero, dp=dp)
         p_b, g_b, o_b = p_b + p, g_b + g, o_b + o
         gather_axes = tuple(a for a in mesh.tp_axes if pp.storage.get(a) != pp.compute.get(a))
@@ -237,7 +266,7 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
             tp_b += sum(ctx.redistribute_s("all_reduce", gb, (a,)) for a in partial_axes)
             comm += [("all_reduce", gb)] * len(partial_axes)
         unit = max(1.0, (unit_numel or op.param_numel) / max(1, op.param_numel))
-        f, b, i, g, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit)
+        f, b, i, g, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit, outer=outer)
         dp_f, dp_b, dp_i, dp_g, dp_s = dp_f + f, dp_b + b, dp_i + i, dp_g + g, dp_s + sync
         transient = max(transient, tr)
         comm += c
@@ -245,25 +274,29 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
     return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i, dp_s, dp_g), transient, comm, iter_comm
 
 
-def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float = 1.0):
+def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float = 1.0, *, outer: bool = False):
     """Data-parallel traffic of `local` parameters at ZeRO level `st.zero` (split into `st.split` slices),
     as their share of a unit `unit` times their size (a split op's slices are units of their own):
     seconds (forward, backward, per iteration after the last backward, per iteration in the first forward,
     waited for), transient bytes, collectives per micro-batch and per iteration. Where the runtime issues them
     (runtime/data_parallel.py `set_microbatch`): ZeRO-0 all-reduces and ZeRO-1 reduce-scatters the accumulated
     gradients after the last micro-batch's backward; ZeRO-1 and -2 gather the parameters in the first forward
-    and keep them until the last backward; ZeRO-2 and -3 reduce-scatter in every backward."""
-    prec, dp = ctx.precision, ctx.mesh.degree("dp")
+    and keep them until the last backward; ZeRO-2 and -3 reduce-scatter in every backward. `outer`: expert
+    weights under expert parallelism, data parallel over the dp / ep ranks that hold the same experts."""
+    prec, dp = ctx.precision, ctx.mesh.degree("dp") // (ctx.ep if outer else 1)
     if dp == 1:
         return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, [], []
     pb, gb = local * prec.param_bytes, local * prec.reduce_bytes  # gradients reduced in fp32 (memory.Precision)
     s = st.split
     share = 1.0 / unit if s == 1 else 1.0
 
+    def on_dp(kind: str, nbytes: float) -> float:
+        return ctx.ep_collective_s(kind, nbytes, outer=True) if outer else ctx.collective_s(kind, nbytes, ("dp",))
+
     def coll(kind: str, nbytes: float) -> float:
         if s == 1:
-            return share * ctx.collective_s(kind, nbytes * unit, ("dp",))
-        return s * ctx.collective_s(kind, nbytes / s, ("dp",))
+            return share * on_dp(kind, nbytes * unit)
+        return s * on_dp(kind, nbytes / s)
 
     if st.zero == 0:
         return 0.0, 0.0, coll("all_reduce", gb), 0.0, 0.0, 0.0, [], [("all_reduce", gb)]
@@ -275,7 +308,7 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float =
             [("reduce_scatter", gb)], [("all_gather", pb)]
     rs, comm = coll("reduce_scatter", gb), [("all_gather", 2 * pb), ("reduce_scatter", gb)]
     if not gathers_overlap(ctx.zero_impl):  # gathered per op, forward and backward, and waited for
-        gather = zero3_gather_s(ctx.zero_impl, pb, ctx.collective_s("all_gather", pb, ("dp",)), numel=local)
+        gather = zero3_gather_s(ctx.zero_impl, pb, on_dp("all_gather", pb), numel=local)
         return 0.0, rs, 0.0, 0.0, 2 * gather, pb / s, comm, []
     ag = coll("all_gather", pb)
     return ag, ag + rs, 0.0, 0.0, 0.0, pb / s, comm, []
@@ -305,13 +338,15 @@ def _grad_accumulation_s(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
         return 0.0
     prec = ctx.precision
     tp = _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1
-    local, adds, owned = sum(p.numel for p in added) / max(1, tp), 1.0, len(added)
+    ep = _expert_shards(op, ctx)
+    local = sum(p.numel / (ep if len(p.shape) == 3 else 1) for p in added) / max(1, tp)
+    adds, owned = 1.0, len(added)
     per_element = prec.grad_bytes + 2 * prec.main_grad_bytes  # Megatron: a 16-bit gradient into main_grad
     if not ctx.fused_pointwise:
         adds = (ctx.num_microbatches - 1) / ctx.num_microbatches
         per_element = prec.grad_bytes + 2 * prec.reduce_bytes  # into FSDP2's sum, kept in the reduce dtype
         if st.zero >= 2:
-            local /= max(1, ctx.mesh.degree("dp"))
+            local /= max(1, _param_dp(op, ctx)[0])
             per_element = 3 * prec.main_grad_bytes  # the reduced shard, cast, into the shard's fp32 gradient
     return adds * memory_bound_time_s(per_element * local, ctx.gpu, kernels=owned)
 
@@ -319,7 +354,8 @@ def _grad_accumulation_s(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
 def _owned_local_numel(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
     """Elements of the parameters `op` owns on one rank before data-parallel sharding (tensor-parallel shard)."""
     tp = _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1
-    return sum(p.numel for p in op.params if p.owner) / max(1, tp)
+    ep = _expert_shards(op, ctx)
+    return sum(p.numel / (ep if len(p.shape) == 3 else 1) for p in op.params if p.owner) / max(1, tp)
 
 
 def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
@@ -328,7 +364,7 @@ def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float
     input copied in from the unsharded gradients (`chunk_cat`): torch/distributed/fsdp/_fully_shard/
     _fsdp_collectives.py. ZeRO-3 gathers in forward and again in backward; ZeRO-2 and -3 reduce-scatter in
     every backward."""
-    if ctx.mesh.degree("dp") == 1 or st.zero < 2:
+    if _param_dp(op, ctx)[0] == 1 or st.zero < 2:
         return 0.0, 0.0
     local = _owned_local_numel(op, st, ctx)
     gathered = 2 * local * ctx.precision.param_bytes  # read the flat output, write the parameters
@@ -391,23 +427,27 @@ def repeats_forward(op: Op, recompute: str, selective_keep: bool | None, seq: in
 
 
 def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta | None = None,
-            unit_numel: float | None = None, selective_keep: bool | None = None, memo: dict | None = None) -> OpCost:
+            unit_numel: float | None = None, selective_keep: bool | None = None, expert: ExpertRole | None = None,
+            memo: dict | None = None) -> OpCost:
     """Cost of `op` under `st`. `block_input`: for the first op of a repeated block under full recompute,
     the block input it keeps (everything else in the block is recomputed). `unit_numel`: the parameters of
     the sharded-DP unit (block) the op belongs to (`evaluate.dp_units`). `selective_keep`: in a graph with a
     fused attention kernel, whether selective recompute keeps this block op's output (`evaluate.selective_keeps`);
-    None: selective recompute drops score-shaped tensors (materialized attention).
+    None: selective recompute drops score-shaped tensors (materialized attention). `expert`: the op's place in a
+    MoE layer (`contract.expert_roles`), where expert parallelism moves and unbalances its rows.
     `memo`: a dict shared by calls on one graph and cluster (the search's), which keeps what a context cannot
     change: everything but recompute's part across recompute modes, kernel times across data-parallel and
     pipeline degrees (they depend only on whether there is one), parameter traffic across micro-batches."""
+    if expert is not None and ctx.ep > 1 and _expert_shards(op, ctx) > 1:
+        unit_numel = expert.unit_numel  # under expert parallelism the experts are an FSDP unit of their own
     if memo is None:
-        base = _recompute_free(op, st, ctx, unit_numel, None)
+        base = _recompute_free(op, st, ctx, unit_numel, None, expert)
     else:
         key = ("base", op.name, st, ctx.mesh, ctx.micro_batch, unit_numel, ctx.precision, ctx.fused_pointwise,
-               ctx.seq, ctx.zero_impl, ctx.cp, ctx.cp_attention)
+               ctx.seq, ctx.zero_impl, ctx.cp, ctx.cp_attention, ctx.ep, ctx.ep_imbalance)
         base = memo.get(key)
         if base is None:
-            base = memo[key] = _recompute_free(op, st, ctx, unit_numel, memo)
+            base = memo[key] = _recompute_free(op, st, ctx, unit_numel, memo, expert)
     fwd, bwd, tp_f, tp_b, (dp_f, dp_b, dp_i, dp_s, dp_g), states, transient, comm, iter_comm, kept, dropped = base
     bwd += _grad_accumulation_s(op, st, ctx)  # depends on the micro-batch count, which the memo's key leaves out
     recompute, peak = 0.0, 0.0
@@ -428,15 +468,17 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
         recompute, peak = fwd, dropped
     else:
         kept += dropped
-    if recompute:  # a recomputed context-parallel attention fetches the other ranks' keys and values again
-        comm = (*comm, *_cp_forward_comm(op, st, ctx))
+    if recompute:  # a recomputed context-parallel attention fetches the other ranks' keys and values again,
+        # a recomputed MoE layer dispatches and combines its rows again
+        comm = (*comm, *_cp_forward_comm(op, st, ctx), *_ep_forward_comm(op, ctx, expert))
     return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
                   dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
                   optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
                   comm=comm, recompute_peak_bytes=peak, iter_comm=iter_comm, dp_sync_s=dp_s, dp_iter_fwd_s=dp_g)
 
 
-def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | None, memo: dict | None):
+def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | None, memo: dict | None,
+                    expert: ExpertRole | None = None):
     """The parts of `op_cost` that no recompute mode changes: (fwd, bwd, tp fwd, tp bwd, dp fwd, dp bwd,
     dp per iteration seconds, (param, grad, optim) bytes, transient bytes, comm, iteration comm, bytes kept
     for backward, bytes selective recompute drops)."""
@@ -444,7 +486,7 @@ def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float 
     if memo is None:
         params = _param_costs(op, st, ctx, unit_numel)
     else:
-        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision, ctx.zero_impl)
+        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision, ctx.zero_impl, ctx.ep)
         params = memo.get(key)
         if params is None:
             params = memo[key] = _param_costs(op, st, ctx, unit_numel)
@@ -455,8 +497,56 @@ def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float 
     if op.kind is OpKind.ATTENTION and ctx.cp > 1:
         fwd, bwd, cf, cb, ccomm, ckept = _context_parallel_attention(op, st, ctx, fwd, bwd)
         tp_f, tp_b, comm, kept = tp_f + cf, tp_b + cb, comm + ccomm, kept + ckept
+    if expert is not None and ctx.ep > 1:  # the busiest rank's rows (cost_models/expert_parallel.py)
+        imb = _imbalance(ctx, expert)
+        fwd, bwd, kept, dropped = fwd * imb, bwd * imb, kept * imb, dropped * imb
+        ef, eb, ecomm = _expert_all_to_alls(op, ctx, expert)
+        tp_f, tp_b, comm = tp_f + ef, tp_b + eb, comm + ecomm
     return (fwd + copy_f, bwd + copy_b, tp_f + nf, tp_b + nb, dp, states, transient,
             tuple(comm + ncomm), tuple(iter_comm), kept, dropped)
+
+
+def _imbalance(ctx: PlanContext, expert: ExpertRole) -> float:
+    """The busiest ep rank's routed rows over the mean: the context's, else the cost model's for the layer."""
+    return ctx.ep_imbalance if ctx.ep_imbalance is not None else ep_load_imbalance(ctx.ep, expert.experts)
+
+
+def _routed_rows_bytes(op: Op, ctx: PlanContext, hidden: int) -> float:
+    """Bytes of one rank's routed (token, expert) rows of `hidden`, one micro-batch (the mean rank's)."""
+    rows = (op.gemm[0] if op.gemm else op.input_meta[0].shape[0]) * ctx.micro_batch
+    return dispatch_bytes(rows, hidden, ctx.precision.act_bytes)
+
+
+def _ep_forward_comm(op: Op, ctx: PlanContext, expert: ExpertRole | None) -> list[tuple[str, float]]:
+    """The all-to-alls a MoE layer's forward issues at this op under expert parallelism (again when its block
+    is recomputed): the counts exchange and dispatch before the first expert matmul, the combine after the last."""
+    if expert is None or ctx.ep == 1:
+        return []
+    out = []
+    if expert.dispatch:
+        out += [("all_to_all", counts_bytes(expert.experts)),
+                ("all_to_all", _routed_rows_bytes(op, ctx, expert.dispatch))]
+    if expert.combine:
+        out.append(("all_to_all", _routed_rows_bytes(op, ctx, expert.combine)))
+    return out
+
+
+def _expert_all_to_alls(op: Op, ctx: PlanContext, expert: ExpertRole) -> tuple[float, float, list]:
+    """(forward s, backward s, collectives) of the ep group's all-to-alls at this op: the forward's
+    (`_ep_forward_comm`) and their gradients' in backward, the rows' timed at the busiest rank's share."""
+    f = b = 0.0
+    comm: list[tuple[str, float]] = []
+    if expert.dispatch:
+        counts = counts_bytes(expert.experts)
+        f += ctx.ep_collective_s("all_to_all", counts)
+        comm.append(("all_to_all", counts))
+    for hidden in (expert.dispatch, expert.combine):
+        if hidden:
+            nb = _routed_rows_bytes(op, ctx, hidden)
+            t = ctx.ep_collective_s("all_to_all", nb * _imbalance(ctx, expert))
+            f, b = f + t, b + t
+            comm += [("all_to_all", nb), ("all_to_all", nb)]  # forward, and its gradient in backward
+    return f, b, comm
 
 
 def _cp_local_kv_bytes(op: Op, st: OpStrategy, ctx: PlanContext) -> float:

@@ -187,6 +187,9 @@ class Plan:
     # True: the search proved this the fastest plan of its space under the cost model; False: the best found
     # when an ILP or the search stopped at its time limit (the incumbent)
     optimal: bool = True
+    # expert parallel: the experts of every mixture-of-experts layer over ep consecutive ranks of the dp group
+    # (cost_models/expert_parallel.py, runtime/expert_parallel.py); 1: none
+    ep: int = 1
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -194,6 +197,8 @@ class Plan:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.global_batch < 1 or self.micro_batch < 1:
             raise ValueError("global_batch and micro_batch must be positive")
+        if self.ep < 1 or self.mesh.degree("dp") % self.ep:
+            raise ValueError(f"ep must divide the dp degree {self.mesh.degree('dp')}, got {self.ep}")
 
     @property
     def num_microbatches(self) -> int:
@@ -214,7 +219,7 @@ class Plan:
             "mesh": self.mesh.to_json(), "global_batch": self.global_batch, "micro_batch": self.micro_batch,
             "seq": self.seq, "recompute": self.recompute, "pipeline": asdict(self.pipeline),
             "space": list(self.space), "solve_time_s": self.solve_time_s, "attention": self.attention,
-            "solver": self.solver, "optimal": self.optimal,
+            "solver": self.solver, "optimal": self.optimal, "ep": self.ep,
             "prediction": self.prediction.to_json() if self.prediction else None,
             "ops": [p.to_json() for p in self.ops],
         }
@@ -236,7 +241,7 @@ class Plan:
                 micro_batch=int(d["micro_batch"]), seq=d.get("seq"), recompute=d.get("recompute", "none"),
                 pipeline=PipelineSpec(**pipe), space=tuple(d.get("space", ())),
                 solve_time_s=float(d.get("solve_time_s", 0.0)), attention=str(d.get("attention", "")),
-                solver=str(d.get("solver", "")), optimal=bool(d.get("optimal", True)),
+                solver=str(d.get("solver", "")), optimal=bool(d.get("optimal", True)), ep=int(d.get("ep", 1)),
                 prediction=Prediction.from_json(d["prediction"]) if d.get("prediction") else None,
                 ops=tuple(OpPlan.from_json(p) for p in d["ops"]),
             )

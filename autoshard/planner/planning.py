@@ -92,7 +92,7 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
                 seq=graph.seq_len * cand.cp if graph.seq_len else graph.seq_len,
                 recompute=cand.recompute, pipeline=cand.pipe, ops=tuple(ops), prediction=result.evaluation.prediction,
                 space=tuple(sorted(space)), solve_time_s=result.solve_time_s, attention=attention_kernel(graph),
-                solver=solver_name(), optimal=result.optimal)
+                solver=solver_name(), optimal=result.optimal, ep=cand.ep)
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str], cap_bytes: float | None = None,

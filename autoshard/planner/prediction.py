@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import kv_head_fraction
+from autoshard.planner.contract import expert_ops, kv_head_fraction
 from autoshard.planner.evaluate import Evaluation, cut_bytes, evaluate
 from autoshard.planner.plan import Plan
 from autoshard.planner.strategies import same_strategy
@@ -28,7 +28,7 @@ def context_for(plan: Plan, cluster, graph: OpGraph) -> PlanContext:
     return PlanContext(mesh=plan.mesh.folded_cp(), cluster=cluster, micro_batch=plan.micro_batch,
                        num_microbatches=plan.num_microbatches, precision=default_precision(cluster),
                        recompute=plan.recompute, seq=graph.seq_len, cp=cp,
-                       cp_kv_fraction=kv_head_fraction(graph))
+                       cp_kv_fraction=kv_head_fraction(graph), ep=plan.ep)
 
 
 def priced_graph(plan: Plan, graph: OpGraph) -> OpGraph:
@@ -105,5 +105,6 @@ def predicted_param_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0
     _, stage_of = template_for(graph, plan.pipeline)
     zero = {p.op: p.strategy.zero for p in plan.ops}
     dp = plan.mesh.folded_cp().degree("dp")  # sharded over dp x cp
-    return sum(c.param_bytes / (dp if zero.get(name, 0) in (1, 2) else 1)
+    experts = set(expert_ops(graph)) if plan.ep > 1 else set()  # over the dp / ep ranks holding them
+    return sum(c.param_bytes / ((dp // plan.ep if name in experts else dp) if zero.get(name, 0) in (1, 2) else 1)
                for name, c in ev.op_costs.items() if stage_of[name] == stage)

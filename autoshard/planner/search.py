@@ -17,6 +17,7 @@ same plan. The objective is tokens/s at the given global batch, i.e. the shortes
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
 import time
@@ -29,6 +30,7 @@ from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time
 from autoshard.planner.candidate_bound import compute_bound_s, edge_times, knapsack_bounds
 from autoshard.planner.context import PlanContext, default_precision
 from autoshard.planner.contract import (
+    expert_parallel_degrees,
     kv_head_fraction,
     largest_head_divisor,
     pipeline_blocker,
@@ -56,7 +58,7 @@ __all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search
            "candidate_context"]
 
 log = logging.getLogger(__name__)
-SPACE = ("dp", "zero", "tp1d", "tp2d", "tp3d", "pp", "cp")
+SPACE = ("dp", "zero", "tp1d", "tp2d", "tp3d", "pp", "cp", "ep")
 TP_FAMILIES = frozenset({"tp1d", "tp2d", "tp3d"})
 _FAMILY_OF = {"col": "tp1d", "row": "tp1d", "col+sp": "tp1d", "vocab": "tp1d", "2d": "tp2d", "3d-yz": "tp3d",
               "3d-zy": "tp3d"}
@@ -85,6 +87,7 @@ class Candidate:
     time_lb_s: float
     memory_lb_bytes: float
     cp: int = 1  # context parallel: `mesh` has cp folded into dp and the graph is the rank-local one
+    ep: int = 1  # expert parallel: each MoE layer's experts over ep consecutive ranks of dp
 
 
 @dataclass
@@ -155,7 +158,8 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                          ) -> tuple[list[Candidate], int]:
     """(candidates that may fit, number pruned by the memory bound), sorted by time bound. With `cp` > 1 the
     graph is the rank-local one (seq / cp tokens), `global_batch` counts its sequences, and the meshes' dp
-    is dp x cp (MeshSpec.folded_cp)."""
+    is dp x cp (MeshSpec.folded_cp). With "ep" in the space, a model with mixture-of-experts layers also gets
+    every expert-parallel degree the runtime runs on each dp (`contract.expert_parallel_degrees`)."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
     prec = default_precision(cluster)
     recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) or selective_keeps(graph) else [])
@@ -175,21 +179,24 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                 continue
             mesh = MeshSpec.of(**({"pp": pp} if pp > 1 else {}), **({"dp": dp} if dp > 1 else {}), **tp)
             batch_shard = tp.get("tp_r", 1) * tp.get("tp_x", 1) * tp.get("tp_z", 1)
-            for b in _micro_batches(global_batch, dp, batch_shard):
+            eps = (1, *expert_parallel_degrees(graph, dp)) if "ep" in space and cp == 1 and not tp else (1,)
+            for b, ep in itertools.product(_micro_batches(global_batch, dp, batch_shard), eps):
                 m = global_batch // (dp * b)
                 for pipe in _pipelines(graph, pp, space, m, schedules):
                     for rc in recomputes:
                         inflight = inflight_microbatches(0, pipe, m)
-                        mem = memory_lower_bound_bytes(graph, prec, tp_degree=tdeg, pp=pp, dp=dp, max_zero=max_zero,
+                        # expert weights split over ep and ZeRO-sharded over dp / ep: at most ZeRO-3's memory
+                        mem = memory_lower_bound_bytes(graph, prec, tp_degree=tdeg, pp=pp, dp=dp,
+                                                       max_zero=3 if ep > 1 else max_zero,
                                                        micro_batch=b, inflight=inflight, recompute=rc)
                         if mem > cap_bytes:
                             pruned += 1
                             continue
                         lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tdeg, pp=pp, micro_batch=b,
                                                 num_microbatches=m, fill=pipeline_fill(pipe), recompute=rc)
-                        found.append(Candidate(mesh, b, m, rc, pipe, lb, mem, cp))
+                        found.append(Candidate(mesh, b, m, rc, pipe, lb, mem, cp, ep))
     found.sort(key=lambda c: (c.time_lb_s, c.mesh.size, str(c.mesh), c.micro_batch, c.recompute,
-                              c.pipe.schedule, c.pipe.virtual_stages))
+                              c.pipe.schedule, c.pipe.virtual_stages, c.ep))
     return found, pruned
 
 
@@ -313,7 +320,7 @@ def candidate_context(graph, cluster, cand: Candidate, cache: dict | None = None
     return PlanContext(mesh=cand.mesh, cluster=cluster, micro_batch=cand.micro_batch,
                        num_microbatches=cand.num_microbatches, precision=default_precision(cluster),
                        recompute=cand.recompute, seq=graph.seq_len, _cache=memo, cp=cand.cp,
-                       cp_kv_fraction=kv_head_fraction(graph))
+                       cp_kv_fraction=kv_head_fraction(graph), ep=cand.ep)
 
 
 @dataclass
@@ -329,7 +336,7 @@ def _prepare(graph, cluster, cand: Candidate, space, cache) -> _Prepared | None:
     strategies = _strategies(graph, cand, space, cache)
     if strategies is None:
         return None
-    key = ("costs", cand.mesh, cand.micro_batch, cand.num_microbatches, cand.recompute)
+    key = ("costs", cand.mesh, cand.micro_batch, cand.num_microbatches, cand.recompute, cand.ep)
     ctx = candidate_context(graph, cluster, cand, cache)
     if key not in cache:
         sites = op_sites(graph)

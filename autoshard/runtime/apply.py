@@ -14,6 +14,8 @@
 
 A plan without tensor-parallel axes skips steps 2 and 3 and runs on plain tensors: its operator splitting
 (4) rewrites the Linears and FSDP2 (6) shards them on the dp mesh, no DTensor dispatch per op in between.
+An expert-parallel plan (plan.ep > 1) first keeps each rank's experts and routes them by all-to-all
+(expert_parallel.py); FSDP2 then runs the experts on the ranks holding the same ones.
 Pipelined plans go through pipeline.py, which applies steps 2-6 per stage.
 """
 
@@ -34,8 +36,14 @@ from autoshard.runtime.data_parallel import (
     apply_sharded_data_parallel,
 )
 from autoshard.runtime.dtensor_ext import register_dtensor_rules
+from autoshard.runtime.expert_parallel import apply_expert_parallel
 from autoshard.runtime.local_shards import choose_local_shards
-from autoshard.runtime.mesh import build_device_mesh, check_context_parallel_mesh, context_parallel_group
+from autoshard.runtime.mesh import (
+    build_device_mesh,
+    check_context_parallel_mesh,
+    context_parallel_group,
+    expert_parallel_meshes,
+)
 from autoshard.runtime.norms import statistics_parallel_forward
 from autoshard.runtime.parallel_module import ParallelModule, RuntimeState, make_parallel
 from autoshard.runtime.precision import compute_dtype, precision_for_device
@@ -68,12 +76,19 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
             group, state.cp_rank = context_parallel_group(plan.mesh, device_type=mesh.device_type)
             state.cp = plan.mesh.degree("cp")
             apply_context_parallel(model, group, state.cp, state.cp_rank)
+        experts = None
+        if plan.ep > 1:  # each MoE layer's experts over ep of the dp ranks (runtime/expert_parallel.py)
+            group, ep_rank, experts = expert_parallel_meshes(plan.mesh, plan.ep, device_type=mesh.device_type)
+            apply_expert_parallel(model, group, plan.ep, ep_rank)
         model = make_parallel(model, state)  # 1
         apply_operator_splitting(model, specs, None, mesh)  # 4
         apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
-        apply_plain_data_parallel(model, specs, mesh, precision=precision)  # 6
+        apply_plain_data_parallel(model, specs, mesh, precision=precision, expert_meshes=experts,  # 6
+                                  expert_zero=_expert_zero(plan))
         log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
         return model
+    if plan.ep > 1:
+        expert_parallel_meshes(plan.mesh, plan.ep)  # refuses tensor-parallel and pipeline axes, with the reason
     if plan.mesh.degree("cp") > 1:
         check_context_parallel_mesh(plan.mesh)  # refuses tensor-parallel axes with cp, with the reason
     if compute_dtype(precision) is not None and "dp" not in mesh.mesh_dim_names:  # FSDP2 casts the parameters:
@@ -90,6 +105,16 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     apply_sharded_data_parallel(model, specs, mesh, precision=precision)  # 6
     log.info("applied plan %s on mesh %s: %d module ops", plan.model, plan.mesh, len(specs))
     return model
+
+
+def _expert_zero(plan: Plan) -> dict[str, int]:
+    """Module path -> the highest zero level of its planned ops that hold parameters: read for the experts
+    modules, whose grouped matmuls run inside the module's own forward (no leaf-module spec of their own)."""
+    out: dict[str, int] = {}
+    for p in plan.ops:
+        if p.strategy.params:
+            out[p.module] = max(out.get(p.module, 0), p.strategy.zero)
+    return out
 
 
 def materializes_scores(plan: Plan) -> bool:

@@ -231,7 +231,8 @@ def _reduce_grads_to_param_placement(model: nn.Module) -> None:
 
 
 def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, *,
-                              precision: Precision = FP32) -> None:
+                              precision: Precision = FP32, expert_meshes: tuple | None = None,
+                              expert_zero: dict[str, int] | None = None) -> None:
     """Data parallelism on plain tensors, for plans without tensor-parallel axes (torchtitan's FSDP2 usage):
     the same groups and zero levels as `apply_sharded_data_parallel`, each `fully_shard` on the 1-D dp mesh
     (ZeRO 1-3) or on the dp ranks as HSDP with a one-rank shard dim (ZeRO 0: replicated, gradients
@@ -244,15 +245,23 @@ def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], me
     backward, which is ZeRO-2's memory (parameters whole from forward to backward) in one collective instead
     of one per op. Only when every parameter belongs to a planned op: otherwise the root holds replicated
     leftovers (ZeRO-0) and those ops keep units of their own. Every unit gets the precision's mixed-precision
-    policy (precision.py)."""
+    policy (precision.py).
+
+    The experts modules of a mixture-of-experts model (expert_parallel.py `expert_modules`; their grouped
+    matmuls run inside the module's own forward, so no leaf-module spec carries them) get a unit each first, at
+    the zero level of their ops (`expert_zero`: module path -> zero): on the dp ranks, or under expert
+    parallelism on the ranks that hold the same experts (`expert_meshes`, mesh.expert_parallel_meshes); the
+    rest as above."""
     from autoshard.runtime.mesh import replicate_mesh
 
     planned = {id(p) for path in specs for p in model.get_submodule(path).parameters()}
     leftovers = any(id(p) not in planned for p in model.parameters())
+    mp = fsdp_policy(precision)
+    specs = _shard_experts(model, specs, mesh, expert_meshes, expert_zero or {}, mp)
     if not leftovers:
         specs = {path: spec for path, spec in specs.items()
                  if not (spec.zero == 2 and spec.split == 1 and _BLOCK.match(path) is None)}
-    mp, unit = fsdp_policy(precision), _unit_dp(mesh)
+    unit = _unit_dp(mesh)
     for modules, zero in _groups(model, specs):
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=zero == 3,
                     mesh=mesh if zero > 0 or unit else replicate_mesh(mesh), mp_policy=mp)
@@ -260,3 +269,26 @@ def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], me
     fully_shard(model, mesh=replicate_mesh(mesh) if leftovers and not unit else mesh, reshard_after_forward=False,
                 mp_policy=mp)
     _tag([model], 0 if leftovers else 2)
+
+
+def _shard_experts(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, meshes: tuple | None,
+                   zeros: dict[str, int], mp) -> dict[str, ModuleSpec]:
+    """fully_shard every experts module on `meshes` (shard mesh, replicate mesh; None: the dp mesh): sharded
+    (ZeRO 1-3) or replicated (ZeRO-0, HSDP) at `zeros[path]`; on a mesh of one rank a unit that issues no
+    collective. Returns `specs` without the experts modules."""
+    from autoshard.runtime.expert_parallel import expert_modules
+    from autoshard.runtime.mesh import replicate_mesh
+
+    found = expert_modules(model)
+    if not found:
+        return specs
+    shard_mesh, replicate = meshes or (mesh, None if _unit_dp(mesh) else replicate_mesh(mesh))
+    paths = set()
+    for path, module in found:
+        zero = zeros.get(path, 0)
+        one = shard_mesh.size() == 1
+        fully_shard(module, mesh=shard_mesh if zero > 0 or one else replicate, reshard_after_forward=zero == 3,
+                    mp_policy=mp)
+        _tag([module], zero)
+        paths.add(path)
+    return {p: s for p, s in specs.items() if p not in paths}

@@ -20,7 +20,7 @@ from autoshard.errors import RuntimeSetupError
 from autoshard.planner.layouts import MeshSpec
 
 __all__ = ["init_distributed", "build_device_mesh", "backend_for", "DEFAULT_TIMEOUT_S", "tp_mesh_names",
-           "tensor_parallel_mesh", "replicate_mesh"]
+           "tensor_parallel_mesh", "replicate_mesh", "expert_parallel_meshes"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,28 @@ def context_parallel_group(spec: MeshSpec, *, device_type: str = "cpu"):
         cached = _MESHES[key] = (init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp")), dist.group.WORLD)
     mesh = cached[0]
     return mesh.get_group("cp"), mesh.get_local_rank("cp")
+
+
+def expert_parallel_meshes(spec: MeshSpec, ep: int, *, device_type: str = "cpu"):
+    """(ep process group, this rank's index in it, (shard mesh, replicate mesh) of the ranks holding the same
+    experts) for expert parallelism over ep consecutive dp ranks (cost_models/expert_parallel.py): the dp ranks
+    as an (edp, ep, edp_shard) mesh, edp = dp / ep. The expert weights' FSDP2 runs on `mesh["edp"]` (ZeRO 1-3)
+    or on the HSDP mesh (edp replicated, a shard dim of one rank: ZeRO-0). Call on every rank."""
+    if spec.tp_axes or spec.degree("pp") > 1 or spec.degree("cp") > 1:
+        raise RuntimeSetupError(f"mesh {spec}: the runtime runs expert parallelism with data parallel and ZeRO "
+                                "only (no tensor-parallel, pipeline or context-parallel axis); re-plan with ep=1 "
+                                "or without those axes")
+    dp = spec.degree("dp")
+    if ep < 1 or dp % ep:
+        raise RuntimeSetupError(f"ep={ep} does not divide the plan's dp degree {dp}; re-plan")
+    shape = (dp // ep, ep, 1)
+    key = (device_type, ("edp", "ep", "edp_shard"), shape)
+    cached = _MESHES.get(key)
+    if cached is None or cached[1] is not dist.group.WORLD:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep", "edp_shard"))
+        cached = _MESHES[key] = (mesh, dist.group.WORLD)
+    mesh = cached[0]
+    return mesh.get_group("ep"), mesh.get_local_rank("ep"), (mesh["edp"], mesh[("edp", "edp_shard")])
 
 
 def tp_mesh_names(mesh: DeviceMesh) -> tuple[str, ...]:

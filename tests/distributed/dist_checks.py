@@ -61,6 +61,12 @@ def full_named(pmodel: nn.Module, names: list[str], *, grads: bool) -> dict[str,
         else:
             p = module._parameters[local]
             out[name] = _full(p.grad if grads else p)
+            ep = getattr(module, "_autoshard_ep", None)
+            if ep is not None and out[name] is not None:  # this rank's experts: gather the ep group's
+                group, size = ep[0], ep[1]
+                parts = [torch.empty_like(out[name]) for _ in range(size)]
+                dist.all_gather(parts, out[name].contiguous(), group=group)
+                out[name] = torch.cat(parts)
     return out
 
 

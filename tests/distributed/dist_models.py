@@ -47,7 +47,18 @@ def tiny_mlp() -> nn.Module:
     return MLP(layers=2, hidden=16, ffn=32)
 
 
-MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "qwen2": tiny_qwen2, "mlp": tiny_mlp}
+def tiny_mixtral() -> nn.Module:
+    """Mixture of experts: 4 experts per layer, top-2 routing (transformers' experts interface)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(num_hidden_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=2,
+                        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=SEQ, num_local_experts=4,
+                        num_experts_per_tok=2, tie_word_embeddings=False, use_cache=False, bos_token_id=0,
+                        eos_token_id=0, pad_token_id=0)
+    return MixtralForCausalLM(cfg)
+
+
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "qwen2": tiny_qwen2, "mlp": tiny_mlp, "mixtral": tiny_mixtral}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

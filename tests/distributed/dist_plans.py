@@ -166,3 +166,11 @@ def make_cp_plan(full: OpGraph, local: OpGraph, *, dp: int, cp: int, family: str
     mesh = MeshSpec.of(**({"dp": dp} if dp > 1 else {}), cp=cp)
     return replace(folded, mesh=mesh, global_batch=global_batch, micro_batch=max(1, global_batch // dp),
                    seq=full.seq_len, model=full.model_name, fingerprint=full.fingerprint())
+
+
+def make_ep_plan(graph: OpGraph, *, dp: int, ep: int, global_batch: int, **options) -> Plan:
+    """An expert-parallel plan as `estimate --ep` writes one: data parallel (or ZeRO) over dp, each MoE layer's
+    experts over ep of the dp ranks."""
+    from dataclasses import replace
+
+    return replace(make_plan(graph, MeshSpec.of(dp=dp), "replicate", global_batch=global_batch, **options), ep=ep)

@@ -1,0 +1,101 @@
+"""Expert-parallel plans on real gloo ranks equal one process, and issue the bytes the cost model prices.
+
+Each case: a tiny Mixtral (2 layers, 4 experts, top-2) under a plan as `estimate --ep` writes one (data
+parallel or ZeRO over dp, each MoE layer's experts over ep of the dp ranks), applied by the runtime: experts
+kept per rank and routed by all-to-all (runtime/expert_parallel.py), FSDP2 over the dp ranks outside the
+experts and over the ranks holding the same experts inside them. Loss and every gradient after one step, and
+every parameter after three AdamW steps, against a single-process copy on the same global batch (fp32,
+atol 1e-5); bytes per collective kind against `predicted_step_comm`.
+
+The all-to-alls' bytes depend on the routing: a rank sends its own T·k rows in the dispatch and the combine's
+gradient, and what its experts received in the combine and the dispatch's gradient. The cost model prices the
+mean rank; the rows received over all ranks are the rows sent, so the all-to-all bytes averaged over the ranks
+are compared with it, every other kind rank by rank.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from dist_checks import compare_cases
+from dist_harness import run_world
+from dist_models import SEQ, build, example_batch
+from dist_plans import make_ep_plan
+
+from autoshard.hardware_profiles.cluster import ClusterSpec
+from autoshard.planner.prediction import predicted_param_bytes, predicted_step_comm
+
+pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+ATOL = 1e-5
+BATCH = 4
+
+# id: (world size, dp, ep, plan options)
+CASES = {
+    "mixtral-ep2": (2, 2, 2, {}),
+    "mixtral-ep4": (4, 4, 4, {}),
+    "mixtral-dp4-ep2-zero3": (4, 4, 2, {"zero": 3}),
+    "mixtral-dp4-ep2-full-recompute": (4, 4, 2, {"recompute": "full"}),
+}
+
+
+@functools.cache
+def _graph(seq: int):
+    from autoshard.capture import capture
+
+    x, _ = example_batch("mixtral", 2)
+    return capture(build("mixtral"), (x[:, :seq],))
+
+
+@functools.cache
+def _world_results(world: int) -> dict[str, dict]:
+    from dataclasses import replace
+
+    cases = []
+    cluster = ClusterSpec.parse(f"1x{world}xcpu")
+    graph = _graph(SEQ)
+    for case_id, (w, dp, ep, options) in CASES.items():
+        if w != world:
+            continue
+        options = dict(options)
+        recompute = options.pop("recompute", "none")
+        plan = replace(make_ep_plan(graph, dp=dp, ep=ep, global_batch=BATCH, **options), recompute=recompute)
+        cases.append({"id": case_id, "model": "mixtral", "batch": BATCH, "plan": plan, "graph": graph,
+                      "predicted_param_bytes": predicted_param_bytes(plan, graph, cluster),
+                      "predicted_comm": predicted_step_comm(plan, graph, cluster)})
+    per_rank = run_world(compare_cases, world, cases, timeout_s=480)
+    for i, case in enumerate(cases):
+        for rank in per_rank:
+            rank[i] |= {k: case[k] for k in ("predicted_param_bytes", "predicted_comm")}
+    return {r["case"]: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_expert_parallel_loss_gradients_and_adamw_steps_match_single_process(case_id):
+    results = _world_results(CASES[case_id][0])[case_id]
+    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
+    print(f"{case_id}: loss {worst['loss_diff']:.1e} grad {worst['grad_diff']:.1e} "
+          f"params after 3 AdamW steps {worst['param_diff']:.1e}")
+    assert worst["loss_diff"] <= ATOL
+    assert worst["grad_diff"] <= ATOL, results[0]["grad_worst"]
+    assert worst["param_diff"] <= ATOL, results[0]["param_worst"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_expert_parallel_bytes_per_step_equal_the_cost_model(case_id):
+    """The ep group's all-to-alls (averaged over the ranks, see the module docstring) and every other
+    collective (on each rank) within 5% of `predicted_step_comm`; parameter bytes per rank as predicted."""
+    results = _world_results(CASES[case_id][0])[case_id]
+    mean_all_to_all = sum(r["comm"].get("all_to_all", 0) for r in results) / len(results)
+    for rank, r in enumerate(results):
+        measured = {k: v for k, v in r["comm"].items() if v}
+        measured["all_to_all"] = mean_all_to_all
+        predicted = {k: v for k, v in r["predicted_comm"].items() if v}
+        print(f"{case_id} rank {rank}: measured {measured} predicted {predicted}")
+        assert set(measured) == set(predicted), (measured, predicted)
+        for kind, want in predicted.items():
+            assert abs(measured[kind] - want) <= 0.05 * want, (kind, measured, predicted)
+        assert r["param_bytes"] == r["predicted_param_bytes"]
