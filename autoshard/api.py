@@ -6,6 +6,7 @@ from dataclasses import replace as dc_replace
 
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.models.names import is_zoo_or_spec, resolve_spec
+from autoshard.planner.contract import expert_parallel_degrees, num_experts
 from autoshard.planner.estimate import HandConfig, estimate
 
 __all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph"]
@@ -154,7 +155,7 @@ def resolve_attention(model, attention: str = "auto") -> str | None:
                                      "runs the attention its code calls: leave it at auto")
         return None
     if attention == "auto":
-        causal = resolve_spec(model).family in ("gpt", "llama")  # flash is the causal kernel
+        causal = resolve_spec(model).family in ("gpt", "llama", "mixtral")  # flash is the causal kernel
         return "flash" if causal and not _explicit_attn(model) else None
     return attention
 
@@ -214,13 +215,14 @@ CP_MIN_LOCAL_SEQ = 4096
 
 def context_parallel_degrees(model, graph, cluster, space: frozenset[str]) -> list[int]:
     """The cp degrees the planner tries for `model`: with "cp" in the space, a causal decoder with a fused
-    attention kernel given by reference (its rank-local graph is captured at seq / cp), sequences of at
-    least CP_MIN_SEQ tokens, cp dividing the GPUs and cutting each sequence into 2 x cp equal chunks."""
+    attention kernel given by reference (its rank-local graph is captured at seq / cp), without
+    mixture-of-experts layers, sequences of at least CP_MIN_SEQ tokens, cp dividing the GPUs and cutting each
+    sequence into 2 x cp equal chunks."""
     from autoshard.planner.estimate import check_context_parallel
 
     seq = graph.seq_len
-    if "cp" not in space or not isinstance(model, str) or not seq or seq < CP_MIN_SEQ:
-        return []
+    if "cp" not in space or not isinstance(model, str) or not seq or seq < CP_MIN_SEQ or num_experts(graph):
+        return []  # (the runtime does not run CP with mixture-of-experts layers)
     out = []
     for cp in (2, 4, 8, 16, 32):
         if cluster.num_gpus % cp or seq % (2 * cp) or seq // cp < CP_MIN_LOCAL_SEQ:
@@ -236,17 +238,32 @@ def context_parallel_degrees(model, graph, cluster, space: frozenset[str]) -> li
 def _best_plan(model, graph, cluster, *, global_batch, space, cap_bytes, time_limit_s, progress, attention):
     """(plan, search) of the fastest plan over `space`: the search on the whole graph, and with "cp" in the
     space one search per context-parallel degree on that degree's rank-local graph (data parallel and ZeRO
-    around it: what the runtime runs with cp). The SearchResult's `context_parallel` says how CP compared."""
+    around it: what the runtime runs with cp), and for a mixture-of-experts model with "ep" in the space one
+    search per expert-parallel degree. The SearchResult's `context_parallel` and `expert_parallel` say how CP
+    and EP compared with the best plan without them."""
     from autoshard.errors import InfeasiblePlanError
     from autoshard.planner.planning import make_plan
 
     best, first_error, without_cp = None, None, None
     try:
-        best = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp"}, cap_bytes=cap_bytes,
+        best = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp", "ep"}, cap_bytes=cap_bytes,
                          time_limit_s=time_limit_s, progress=progress)
         without_cp = best[0].prediction.iteration_time_s
     except InfeasiblePlanError as exc:
         first_error = exc
+    without_ep, by_ep = without_cp, {}
+    for ep in expert_parallel_degrees(graph, cluster.num_gpus) if "ep" in space else ():
+        if progress is not None:
+            progress(f"expert parallel {ep}: searching")
+        try:
+            p, r = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp"}, cap_bytes=cap_bytes,
+                             time_limit_s=time_limit_s, progress=progress, ep=ep)
+        except InfeasiblePlanError:
+            by_ep[ep] = None
+            continue
+        by_ep[ep] = p.prediction.iteration_time_s
+        if best is None or by_ep[ep] < best[0].prediction.iteration_time_s:
+            best = (p, r)
     tried = {}
     for cp in context_parallel_degrees(model, graph, cluster, space):
         if progress is not None:
@@ -267,6 +284,8 @@ def _best_plan(model, graph, cluster, *, global_batch, space, cap_bytes, time_li
     if tried:
         best[1].context_parallel = {"chosen_cp": best[0].mesh.degree("cp"), "without_cp_s": without_cp,
                                     "by_cp_s": tried}
+    if by_ep:
+        best[1].expert_parallel = {"chosen_ep": best[0].ep, "without_ep_s": without_ep, "by_ep_s": by_ep}
     return best
 
 

@@ -118,8 +118,8 @@ def _cmd_estimate(args) -> int:
         global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
         zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels, fused_loss=args.fused_loss,
-        zero_impl=args.zero_impl, cp=args.cp, cp_attention=args.cp_attention,
-        tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator)
+        zero_impl=args.zero_impl, cp=args.cp, cp_attention=args.cp_attention, ep=args.ep,
+        ep_imbalance=args.ep_imbalance, tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator)
     args.progress.close()
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
@@ -128,7 +128,7 @@ def _cmd_estimate(args) -> int:
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             "recompute": plan.recompute, "fused_kernels": args.fused_kernels, "fused_loss": args.fused_loss,
-            "zero_impl": args.zero_impl, "cp": args.cp, "cp_attention": args.cp_attention,
+            "zero_impl": args.zero_impl, "cp": args.cp, "cp_attention": args.cp_attention, "ep": args.ep,
             "tp_comm_overlap": args.tp_comm_overlap or "none",
             **prediction_json(pred), "warnings": _warnings(pred, cluster, plan)}
     from autoshard.planner.explain import batch_label, recompute_label
@@ -137,7 +137,8 @@ def _cmd_estimate(args) -> int:
             f"{batch_label(plan.micro_batch, plan.num_microbatches)}, "
             f"recompute {recompute_label(plan.recompute, plan.attention)}, attention {data['attention']}"
             + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")
-            + (f", context parallel {plan.mesh.degree('cp')} ({args.cp_attention} K/V)" if args.cp > 1 else "")]
+            + (f", context parallel {plan.mesh.degree('cp')} ({args.cp_attention} K/V)" if args.cp > 1 else "")
+            + (f", expert parallel {plan.ep}" if plan.ep > 1 else "")]
     per_chunk = data["pipeline"]["layers_per_chunk"]
     if len(set(per_chunk)) > 1:
         head.append(f"layers per chunk {','.join(map(str, per_chunk))} (the layers do not divide evenly: "
@@ -182,7 +183,7 @@ def _cmd_plan(args) -> int:
             "search": {"considered": result.considered, "solved": result.solved,
                        "pruned_by_memory": result.pruned_memory, "optimal": result.optimal,
                        "solver": plan.solver},
-            "context_parallel": result.context_parallel}
+            "context_parallel": result.context_parallel, "expert_parallel": result.expert_parallel}
     if args.plot:  # the picture first: a plot that fails leaves no plan file behind
         from autoshard.plotting import plot_plan
 
@@ -221,6 +222,8 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
                          f"  {b.config}")
     if result.context_parallel:
         lines.append(_context_parallel_line(result.context_parallel))
+    if result.expert_parallel:
+        lines.append(_expert_parallel_line(result.expert_parallel))
     lines.append(f"\nsearch           {result.solve_time_s:.1f} s: {result.solved} ILPs solved of {result.considered} "
                  f"candidates ({result.pruned_memory} pruned by the memory bound; {plan.solver})"
                  + ("" if result.optimal else "; the best found when the time limit hit, not proven optimal"))
@@ -240,6 +243,16 @@ def _context_parallel_line(cp: dict) -> str:
     without = step(cp["without_cp_s"])
     verdict = (f"cp={cp['chosen_cp']} chosen" if cp["chosen_cp"] > 1 else "not chosen")
     return f"context parallel {verdict}: best step {tried}; without CP {without} (data parallel and ZeRO around CP)"
+
+
+def _expert_parallel_line(ep: dict) -> str:
+    """Why the plan has the ep degree it has: each degree's best step against the best without EP."""
+    def step(t):
+        return "does not fit" if t is None else f"{t:.3f} s"
+
+    tried = ", ".join(f"ep={e}: {step(t)}" for e, t in ep["by_ep_s"].items())
+    verdict = f"ep={ep['chosen_ep']} chosen" if ep["chosen_ep"] > 1 else "not chosen"
+    return f"expert parallel {verdict}: best step {tried}; without EP {step(ep['without_ep_s'])}"
 
 
 def _cluster_or_none(text: str):
@@ -358,8 +371,8 @@ def _check_args(args) -> None:
     """Checks that need no model: sizes, the cluster, the search space and output paths."""
     from autoshard.errors import require_positive
 
-    ints = {"inspect": ("seq", "batch"), "estimate": ("tp", "pp", "dp", "cp", "micro_batch", "global_batch", "seq",
-                                                      "virtual_stages"), "plan": ("global_batch", "seq")}
+    ints = {"inspect": ("seq", "batch"), "estimate": ("tp", "pp", "dp", "cp", "ep", "micro_batch", "global_batch",
+                                                      "seq", "virtual_stages"), "plan": ("global_batch", "seq")}
     for name in ints.get(args.command, ()):
         if getattr(args, name) is not None:
             require_positive(name, getattr(args, name))
@@ -440,6 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "all-gathered before, their gradients reduce-scattered after; Llama 3, and what "
                         "autoshard's runtime runs) or ring (passed around the cp ranks beside the attention "
                         "blocks: ring attention, torch's SDPA context_parallel, Megatron-Core)")
+    e.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree (mixture-of-experts models): each MoE layer's experts over ep of "
+                        "the dp ranks (a divisor of dp, no GPUs of its own), tokens dispatched and combined by "
+                        "all-to-all")
+    e.add_argument("--ep-imbalance", type=float, default=None,
+                   help="the busiest ep rank's routed rows over the mean (a measured max / mean); default: the "
+                        "cost model's, from the experts per rank (1.25 for one of 8)")
     e.add_argument("--micro-batch", type=int, default=1)
     e.add_argument("--global-batch", type=int, required=True)
     e.add_argument("--seq", type=int, default=None, help=_SEQ_HELP)
@@ -495,8 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq", type=int, default=None, help=_SEQ_HELP)
     pl.add_argument("--memory-cap", type=float, default=None, help="GiB per GPU (default: the GPU's memory)")
     pl.add_argument("--space", default=None,
-                    help="families searched: dp,zero,tp1d,tp2d,tp3d,pp,cp (default all; cp from 32,768 tokens "
-                         "per sequence, for models given by name, spec or factory)")
+                    help="families searched: dp,zero,tp1d,tp2d,tp3d,pp,cp,ep (default all; cp from 32,768 tokens "
+                         "per sequence, for models given by name, spec or factory; ep for mixture-of-experts "
+                         "models)")
     pl.add_argument("--attention", choices=("auto", "eager", "flash", "sdpa"), default="auto",
                     help="attention kernel priced for zoo and spec models (default auto: flash for decoders, "
                          "the model's own otherwise)")

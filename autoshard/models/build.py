@@ -212,4 +212,16 @@ def _mlp(spec: ModelSpec) -> nn.Module:
     return MLP(layers=spec.layers, hidden=spec.hidden, ffn=spec.ffn_size)
 
 
-_BUILDERS = {"gpt": _gpt, "llama": _llama, "bert": _bert, "vit": _vit, "mlp": _mlp}
+def _mixtral(spec: ModelSpec) -> nn.Module:
+    tf = _transformers()
+    cfg = tf.MixtralConfig(num_hidden_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+                           num_key_value_heads=spec.num_kv_heads, intermediate_size=spec.ffn_size,
+                           vocab_size=spec.vocab or 32000, max_position_embeddings=spec.seq,
+                           rope_theta=spec.rope_theta, num_local_experts=spec.num_experts,
+                           num_experts_per_tok=spec.num_experts_per_token, sliding_window=None,
+                           tie_word_embeddings=False, use_cache=False, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0, attn_implementation=_hf_attn(spec))
+    return tf.MixtralForCausalLM(cfg)
+
+
+_BUILDERS = {"gpt": _gpt, "llama": _llama, "mixtral": _mixtral, "bert": _bert, "vit": _vit, "mlp": _mlp}

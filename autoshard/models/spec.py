@@ -1,7 +1,8 @@
 """ModelSpec: a model described by its dimensions, parsed from a zoo name or a spec string.
 
 Spec strings: `gpt:layers=96,hidden=12288,heads=96,seq=2048[,vocab=51200][,ffn=49152][,kv_heads=96][,attn=sdpa]`
-and the same keys for `llama:`; `bert:`, `vit:` and `mlp:` take their own (see `_KEYS`).
+and the same keys for `llama:`; `mixtral:` the llama keys and `experts=`, `top_k=` (a mixture-of-experts MLP:
+`experts` per layer, each token routed to `top_k`); `bert:`, `vit:` and `mlp:` take their own (see `_KEYS`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from autoshard.errors import ModelSpecError
 
 __all__ = ["ModelSpec", "parse_spec", "spec_string", "FAMILIES"]
 
-FAMILIES = ("gpt", "llama", "bert", "vit", "mlp")
+FAMILIES = ("gpt", "llama", "mixtral", "bert", "vit", "mlp")
 # sdpa: Hugging Face's default (SDPA with an explicit mask: PyTorch's memory-efficient kernel on GPU);
 # eager: materialized scores and a softmax kernel (Megatron-LM's fused softmax, HF "eager");
 # flash: causal FlashAttention-2 (Megatron's --use-flash-attn, llm-foundry, torchtitan).
@@ -21,6 +22,7 @@ ATTENTION_IMPLS = ("sdpa", "eager", "flash")
 _REQUIRED = {
     "gpt": ("layers", "hidden", "heads", "seq"),
     "llama": ("layers", "hidden", "heads", "seq"),
+    "mixtral": ("layers", "hidden", "heads", "seq"),
     "bert": ("layers", "hidden", "heads", "seq"),
     "vit": ("layers", "hidden", "heads"),
     "mlp": ("layers", "hidden"),
@@ -28,6 +30,7 @@ _REQUIRED = {
 _OPTIONAL = {
     "gpt": ("vocab", "ffn", "kv_heads", "attn"),
     "llama": ("vocab", "ffn", "kv_heads", "attn", "rope_theta"),
+    "mixtral": ("vocab", "ffn", "kv_heads", "attn", "rope_theta", "experts", "top_k"),
     "bert": ("vocab", "ffn", "attn"),
     "vit": ("ffn", "image", "patch", "attn"),
     "mlp": ("ffn",),
@@ -51,6 +54,8 @@ class ModelSpec:
     patch: int = 0
     rope_theta: float = 10000.0
     attn: str = "sdpa"
+    experts: int = 0  # mixture of experts (mixtral): experts per layer, 0 = the family default (8)
+    top_k: int = 0  # experts each token is routed to, 0 = the family default (2)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -58,7 +63,7 @@ class ModelSpec:
         for f in ("layers", "hidden"):
             if getattr(self, f) <= 0:
                 raise ModelSpecError(f"{self.name}: {f} must be a positive integer, got {getattr(self, f)}")
-        for f in ("heads", "kv_heads", "ffn", "vocab", "seq", "image", "patch"):
+        for f in ("heads", "kv_heads", "ffn", "vocab", "seq", "image", "patch", "experts", "top_k"):
             if getattr(self, f) < 0:
                 raise ModelSpecError(f"{self.name}: {f} must not be negative, got {getattr(self, f)}")
         if self.family != "mlp":
@@ -70,12 +75,23 @@ class ModelSpec:
             if self.kv_heads and self.heads % self.kv_heads:
                 raise ModelSpecError(f"{self.name}: heads={self.heads} is not a multiple of "
                                      f"kv_heads={self.kv_heads}; grouped-query attention needs kv_heads | heads")
+        if self.family == "mixtral" and self.num_experts_per_token > self.num_experts:
+            raise ModelSpecError(f"{self.name}: top_k={self.num_experts_per_token} exceeds experts={self.num_experts}; "
+                                 "route each token to at most as many experts as a layer has")
         if self.attn not in ATTENTION_IMPLS:
             raise ModelSpecError(f"{self.name}: attn={self.attn!r}; allowed: {', '.join(ATTENTION_IMPLS)}")
 
     @property
     def num_kv_heads(self) -> int:
         return self.kv_heads or self.heads
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts or 8
+
+    @property
+    def num_experts_per_token(self) -> int:
+        return self.top_k or 2
 
     @property
     def ffn_size(self) -> int:

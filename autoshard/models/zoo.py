@@ -42,6 +42,9 @@ _ENTRIES = [
     (_llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 5e5), "Llama 3 herd paper Table 3"),
     (_llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 5e5), "Llama 3 herd paper Table 3"),
     (_llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 5e5), "Llama 3 herd paper Table 3"),
+    # Mixtral 8x7B (Jiang et al. 2024, Table 1): 8 experts per layer, 2 per token; context 32768, rope 1e6
+    (ModelSpec(name="mixtral-8x7b", family="mixtral", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
+               vocab=32000, seq=32768, rope_theta=1e6, experts=8, top_k=2), "Jiang et al. 2024 Table 1"),
     (ModelSpec(name="bert-large", family="bert", layers=24, hidden=1024, heads=16, ffn=4096, vocab=30522,
                seq=512), "Devlin et al. 2019 (BERT-Large); HF bert-large-uncased config"),
     (ModelSpec(name="vit-huge", family="vit", layers=32, hidden=1280, heads=16, ffn=5120, image=224, patch=14),

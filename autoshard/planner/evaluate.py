@@ -87,14 +87,17 @@ def block_inputs(graph: OpGraph) -> dict[str, TensorMeta]:
 
 def dp_units(graph: OpGraph) -> dict[str, float]:
     """Op in a repeated block -> parameters of its block instance: the FSDP unit whose collectives it shares
-    (ops outside blocks are units of their own and are absent)."""
+    (ops outside blocks are units of their own and are absent). A MoE layer's grouped expert matmuls are a unit
+    of their own, the experts module (runtime/data_parallel.py), and not part of their block's."""
     cache = graph_cache(graph)
     if "dp_units" not in cache:
-        out = {}
+        experts = {n: r for n, r in expert_roles(graph).items() if r.unit_numel and graph.op(n).params}
+        out = {n: float(r.unit_numel) for n, r in experts.items()}
         for group in graph.blocks:
             for names in group.op_names:
-                total = float(sum(graph.op(n).param_numel for n in names))
-                out.update({n: total for n in names})
+                plain = [n for n in names if n not in experts]
+                total = float(sum(graph.op(n).param_numel for n in plain))
+                out.update({n: total for n in plain})
         cache["dp_units"] = out
     return cache["dp_units"]
 

@@ -213,6 +213,12 @@ def explain_text(plan: Plan, *, layer: int | None = None, op: str | None = None)
         head += (f"\ncontext parallel {cp}: each sequence's {plan.seq:,} tokens over {cp} ranks ({plan.seq // cp:,} "
                  f"each, two head-tail chunks); attention all-gathers the keys and values of the other ranks, and "
                  f"the operators below see one rank's tokens, their 'dp' meaning dp x cp")
+    if plan.ep > 1:
+        dp = plan.mesh.degree("dp")
+        head += (f"\nexpert parallel {plan.ep}: each MoE layer's experts over {plan.ep} of the {dp} data-parallel "
+                 f"ranks, tokens dispatched to their experts and combined back by all-to-all (4 per layer and "
+                 f"micro-batch); an expert op's zero level applies over the {dp // plan.ep} rank(s) holding the same "
+                 f"experts, and its time includes the all-to-alls and the busiest rank's share of the routed rows")
     groups = _selected(plan, layer=layer, op=op)
     rows = {id(g): [_row(p, g) for p in g.ops] for g in groups}
     every = [r for rs in rows.values() for r in rs]

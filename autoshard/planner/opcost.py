@@ -438,8 +438,6 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
     `memo`: a dict shared by calls on one graph and cluster (the search's), which keeps what a context cannot
     change: everything but recompute's part across recompute modes, kernel times across data-parallel and
     pipeline degrees (they depend only on whether there is one), parameter traffic across micro-batches."""
-    if expert is not None and ctx.ep > 1 and _expert_shards(op, ctx) > 1:
-        unit_numel = expert.unit_numel  # under expert parallelism the experts are an FSDP unit of their own
     if memo is None:
         base = _recompute_free(op, st, ctx, unit_numel, None, expert)
     else:

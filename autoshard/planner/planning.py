@@ -96,11 +96,12 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str], cap_bytes: float | None = None,
-              time_limit_s: float = 20.0, budget_s: float = 120.0, progress=None, cp: int = 1
-              ) -> tuple[Plan, SearchResult]:
+              time_limit_s: float = 20.0, budget_s: float = 120.0, progress=None, cp: int = 1,
+              ep: int | None = None) -> tuple[Plan, SearchResult]:
     """The best plan and its search. With `cp` > 1, `graph` is the rank-local graph (seq / cp tokens) and
     `global_batch` counts its sequences (cp per whole sequence); the plan returned is in whole sequences, under
-    the local graph's name and fingerprint (api.py names it for the whole model)."""
+    the local graph's name and fingerprint (api.py names it for the whole model). `ep`: search that
+    expert-parallel degree only (search.enumerate_candidates)."""
     result = search(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap_bytes,
-                    time_limit_s=time_limit_s, budget_s=budget_s, progress=progress, cp=cp)
+                    time_limit_s=time_limit_s, budget_s=budget_s, progress=progress, cp=cp, ep=ep)
     return plan_from_result(graph, cluster, result, global_batch=global_batch, space=space), result

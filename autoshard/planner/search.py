@@ -106,6 +106,8 @@ class SearchResult:
     # with "cp" in the space (api._best_plan): {"chosen_cp": cp of the plan (1: none), "without_cp_s": the best
     # plan without CP (None: none fits), "by_cp_s": {cp: best iteration time, None where nothing fits}}
     context_parallel: dict | None = None
+    # with "ep" in the space and a mixture-of-experts model, likewise: {"chosen_ep", "without_ep_s", "by_ep_s"}
+    expert_parallel: dict | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -154,12 +156,13 @@ def _pipelines(graph: OpGraph, pp: int, space: frozenset[str], m: int,
 
 
 def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str],
-                         cap_bytes: float, schedules: frozenset[str] = frozenset(SCHEDULES), cp: int = 1
-                         ) -> tuple[list[Candidate], int]:
+                         cap_bytes: float, schedules: frozenset[str] = frozenset(SCHEDULES), cp: int = 1,
+                         ep: int | None = None) -> tuple[list[Candidate], int]:
     """(candidates that may fit, number pruned by the memory bound), sorted by time bound. With `cp` > 1 the
     graph is the rank-local one (seq / cp tokens), `global_batch` counts its sequences, and the meshes' dp
     is dp x cp (MeshSpec.folded_cp). With "ep" in the space, a model with mixture-of-experts layers also gets
-    every expert-parallel degree the runtime runs on each dp (`contract.expert_parallel_degrees`)."""
+    every expert-parallel degree the runtime runs on each dp (`contract.expert_parallel_degrees`); `ep`: that
+    degree only (meshes whose dp it divides)."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
     prec = default_precision(cluster)
     recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) or selective_keeps(graph) else [])
@@ -180,6 +183,8 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
             mesh = MeshSpec.of(**({"pp": pp} if pp > 1 else {}), **({"dp": dp} if dp > 1 else {}), **tp)
             batch_shard = tp.get("tp_r", 1) * tp.get("tp_x", 1) * tp.get("tp_z", 1)
             eps = (1, *expert_parallel_degrees(graph, dp)) if "ep" in space and cp == 1 and not tp else (1,)
+            if ep is not None:
+                eps = (ep,) if ep in eps else ()
             for b, ep in itertools.product(_micro_batches(global_batch, dp, batch_shard), eps):
                 m = global_batch // (dp * b)
                 for pipe in _pipelines(graph, pp, space, m, schedules):
@@ -251,12 +256,12 @@ _PROGRESS_EVERY_S = 2.0  # one progress line per this many seconds of search, no
 def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] = frozenset(SPACE),
            schedules: frozenset[str] = frozenset(SCHEDULES),
            cap_bytes: float | None = None, time_limit_s: float = 20.0, budget_s: float = 120.0,
-           progress: Callable[[str], None] | None = None, cp: int = 1) -> SearchResult:
+           progress: Callable[[str], None] | None = None, cp: int = 1, ep: int | None = None) -> SearchResult:
     """Best plan over the space; raises InfeasiblePlanError with the smallest memory any plan needs. `cp`:
-    context parallel over cp ranks (`enumerate_candidates`)."""
+    context parallel over cp ranks, `ep`: only that expert-parallel degree (`enumerate_candidates`)."""
     cap = cap_bytes if cap_bytes is not None else cluster.device_memory_bytes
     cands, pruned = enumerate_candidates(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap,
-                                         schedules=schedules, cp=cp)
+                                         schedules=schedules, cp=cp, ep=ep)
     t0 = time.perf_counter()
     if progress:
         progress(f"searching {len(cands)} configurations")
