@@ -30,6 +30,7 @@ CASES = [
     ("gpt3-175b", "16x8xA100-80GB", 256, None),
     ("gpt3-175b", "128x8xA100-80GB", 1536, None),
     ("llama3-8b", "8x8xH100-80GB", 64, 131072),
+    ("mixtral-8x7b", "4x8xH100-80GB", 128, 4096),
 ]
 
 
@@ -42,7 +43,8 @@ def run_case(model: str, cluster: str, batch: int, seq: int | None = None) -> di
 
     t0 = time.perf_counter()
     p, _, baselines, _, _ = plan_with_baselines(model, cluster, global_batch=batch, seq=seq)
-    return {"tokens_per_s": p.prediction.tokens_per_s, "mfu": round(p.prediction.mfu, 4), "mesh": str(p.mesh), "micro_batch": p.micro_batch,
+    return {"tokens_per_s": p.prediction.tokens_per_s, "mfu": round(p.prediction.mfu, 4), "mesh": str(p.mesh), "ep": p.ep,
+            "micro_batch": p.micro_batch,
             "recompute": p.recompute, "schedule": p.pipeline.schedule if p.pipeline.degree > 1 else None,
             "baselines": {k: (b.prediction.tokens_per_s if b.prediction else None) for k, b in baselines.items()},
             "seconds": round(time.perf_counter() - t0, 1)}

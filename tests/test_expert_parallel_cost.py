@@ -1,0 +1,121 @@
+"""What expert parallelism costs in the model: all-to-all bytes, expert weights over ep, the busiest rank's load,
+where it pays, and the errors.
+
+The runtime's side (equality with one process, bytes issued) is tests/distributed/test_expert_parallel.py.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoshard.api import capture_ref, estimate_config
+from autoshard.cost_models.expert_parallel import EXPERT_LOAD_CV, ep_load_imbalance, expected_max_normal
+from autoshard.errors import ConfigurationError
+from autoshard.planner.contract import expert_parallel_degrees, expert_roles, num_experts
+from autoshard.planner.prediction import predicted_step_comm
+
+# 4 layers, 8 experts of ffn 1,024, top-2: small enough to capture in seconds
+MOE = "mixtral:layers=4,hidden=512,heads=8,kv_heads=8,ffn=1024,vocab=8000,seq=512,experts=8,top_k=2"
+CLUSTER = "1x8xH100-80GB"
+
+
+def _estimate(ep: int, **kw):
+    kw.setdefault("global_batch", 16)
+    return estimate_config(MOE, CLUSTER, ep=ep, **kw)
+
+
+def test_imbalance_is_none_without_ep_and_one_expert_of_eight_per_rank_is_the_capacity_factor():
+    assert ep_load_imbalance(1, 8) == 1.0
+    assert ep_load_imbalance(8, 8) == pytest.approx(1.25)  # Switch Transformer's 1.25, by construction of the cv
+    assert EXPERT_LOAD_CV == pytest.approx(0.25 / expected_max_normal(8))
+
+
+def test_imbalance_grows_with_ep_and_shrinks_with_more_experts_per_rank():
+    assert ep_load_imbalance(2, 8) < ep_load_imbalance(4, 8) < ep_load_imbalance(8, 8)
+    assert ep_load_imbalance(8, 64) < ep_load_imbalance(8, 8)
+
+
+def test_the_graph_knows_its_experts_and_the_degrees_the_runtime_runs():
+    graph = capture_ref(MOE)
+    assert num_experts(graph) == 8
+    roles = expert_roles(graph)
+    assert sum(1 for r in roles.values() if r.dispatch) == 4 and sum(1 for r in roles.values() if r.combine) == 4
+    assert expert_parallel_degrees(graph, 8) == (2, 4, 8)
+    assert expert_parallel_degrees(graph, 6) == (2,)
+    assert expert_parallel_degrees(capture_ref("llama:layers=2,hidden=256,heads=4,seq=128"), 8) == ()
+
+
+def test_the_all_to_alls_move_each_token_k_times_four_times_per_layer():
+    """Per MoE layer and micro-batch: dispatch and combine forward, their gradients backward, each the rank's
+    tokens x top-k rows of the hidden size (bf16), plus the E int64 counts before each dispatch."""
+    plan, cluster = _estimate(4)
+    comm = predicted_step_comm(plan, capture_ref(MOE), cluster)
+    tokens = plan.micro_batch * 512
+    per_layer = 4 * tokens * 2 * 512 * 2 + 8 * 8
+    assert comm["all_to_all"] == pytest.approx(4 * plan.num_microbatches * per_layer)
+    dense, _ = _estimate(1)
+    assert "all_to_all" not in predicted_step_comm(dense, capture_ref(MOE), cluster)
+
+
+def test_ep_divides_the_expert_weights_a_rank_holds():
+    """ZeRO-0: every rank holds all the weights outside the experts and 1/ep of the experts' (bf16 params,
+    fp32 master weights and Adam states scale alike)."""
+    graph = capture_ref(MOE)
+    experts = sum(p.numel for op in graph.ops if op.name in expert_roles(graph) for p in op.params)
+    assert experts == 4 * 8 * 3 * 512 * 1024
+    one, _ = _estimate(1)
+    four, _ = _estimate(4)
+    saved = one.prediction.memory.params_bytes - four.prediction.memory.params_bytes
+    assert saved == pytest.approx(experts * 3 / 4 * 2)  # bf16 parameters
+
+
+def test_ep_pays_where_the_expert_weights_traffic_is_exposed_and_not_where_it_hides():
+    """ZeRO-1 over 16 GPUs on two nodes of 1x100 Gb/s: at one sample per GPU the experts' gradient
+    reduce-scatter and parameter gather are exposed, and EP (experts over the 8 GPUs of a node, synchronized
+    over 2) is faster; at 64x the batch they are paid once per step beside 8 micro-batches of compute, and the
+    busiest rank's extra rows and the all-to-alls make EP the slower choice."""
+    slow = "2x8xA100-80GB@ib-hdr100-1x100"
+    small = {ep: estimate_config(MOE, slow, ep=ep, global_batch=16, zero=1)[0].prediction.iteration_time_s
+             for ep in (1, 8)}
+    big = {ep: estimate_config(MOE, slow, ep=ep, global_batch=1024, micro_batch=8,
+                               zero=1)[0].prediction.iteration_time_s for ep in (1, 8)}
+    assert small[8] < small[1], small
+    assert big[8] > big[1], big
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"ep": 3}, "ep=3 must divide dp=8"),
+    ({"ep": 16, "dp": 16}, "does not divide the 8 experts"),
+    ({"ep": 2, "cp": 2, "seq": 512}, "ep > 1 with cp > 1 is not supported"),
+])
+def test_estimate_refuses_expert_parallel_degrees_the_runtime_cannot_run(kw, match):
+    cluster = "2x8xH100-80GB" if kw.get("dp") == 16 else CLUSTER
+    with pytest.raises(ConfigurationError, match=match):
+        estimate_config(MOE, cluster, global_batch=16, **kw)
+
+
+def test_estimate_refuses_ep_on_a_dense_model():
+    with pytest.raises(ConfigurationError, match="no mixture-of-experts layers"):
+        estimate_config("llama:layers=2,hidden=256,heads=4,seq=128", CLUSTER, global_batch=8, ep=2)
+
+
+def test_cli_estimate_ep_prints_json_and_rejects_a_bad_degree_with_exit_2():
+    ok = subprocess.run([sys.executable, "-m", "autoshard", "estimate", MOE, "--cluster", CLUSTER, "--ep", "4",
+                         "--global-batch", "16", "--json"], capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["ep"] == 4
+    bad = subprocess.run([sys.executable, "-m", "autoshard", "estimate", MOE, "--cluster", CLUSTER, "--ep", "3",
+                          "--global-batch", "16"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--ep 3 must divide --dp 8" in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_an_expert_parallel_plan_round_trips_through_json(tmp_path):
+    from autoshard.planner.plan import Plan
+
+    plan, _ = _estimate(4)
+    path = tmp_path / "ep.json"
+    plan.save(path)
+    assert Plan.load(path).ep == 4
