@@ -29,7 +29,7 @@ def _estimate(ep: int, **kw):
 def test_imbalance_is_none_without_ep_and_one_expert_of_eight_per_rank_is_the_capacity_factor():
     assert ep_load_imbalance(1, 8) == 1.0
     assert ep_load_imbalance(8, 8) == pytest.approx(1.25)  # Switch Transformer's 1.25, by construction of the cv
-    assert EXPERT_LOAD_CV == pytest.approx(0.25 / expected_max_normal(8))
+    assert pytest.approx(0.25 / expected_max_normal(8)) == EXPERT_LOAD_CV
 
 
 def test_imbalance_grows_with_ep_and_shrinks_with_more_experts_per_rank():

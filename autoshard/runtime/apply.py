@@ -78,8 +78,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
             apply_context_parallel(model, group, state.cp, state.cp_rank)
         experts = None
         if plan.ep > 1:  # each MoE layer's experts over ep of the dp ranks (runtime/expert_parallel.py)
-            group, ep_rank, experts = expert_parallel_meshes(plan.mesh, plan.ep, device_type=mesh.device_type)
-            apply_expert_parallel(model, group, plan.ep, ep_rank)
+            group, ep_rank, experts, whole = expert_parallel_meshes(plan.mesh, plan.ep, device_type=mesh.device_type)
+            apply_expert_parallel(model, group, plan.ep, ep_rank, checkpoint_mesh=whole)
         model = make_parallel(model, state)  # 1
         apply_operator_splitting(model, specs, None, mesh)  # 4
         apply_recompute(model, plan, scores=materializes_scores(plan))  # 5

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import empty as dtensor_empty
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -82,13 +82,16 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
             staging.mkdir()
         _barrier()
         state = _state_of(model, optimizer)
-        _swap_strided(state, _to_plain_shards)
+        swapped = _swap_strided(state, _to_plain_shards) + _swap_experts(state, _expert_meshes(model), _all_experts)
         try:
             with _single_process_is_fine():
                 dcp.save(state, checkpoint_id=staging)
         except CheckpointException as exc:
             raise CheckpointError(f"saving checkpoint {target} failed {_failed_ranks(exc)}; the previous "
                                   f"checkpoint at {target}, if any, is intact") from exc
+        finally:  # the optimizer's state dict shares its per-parameter dicts with the optimizer: put them back
+            for container, key, original in swapped:
+                container[key] = original
         if rank == 0:
             _write_metadata(staging, model, optimizer)
         _barrier()  # every rank's shards and the metadata are on disk
@@ -113,6 +116,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
             log.info("loading checkpoint %s, %s", target, _origin(metadata))
         state = _state_of(model, optimizer)
         swapped = _swap_strided(state, _empty_plain_shards)  # DCP reads plain shards; redistributed below
+        experts = _swap_experts(state, _expert_meshes(model), _empty_all_experts)
         try:
             with _single_process_is_fine():
                 dcp.load(state, checkpoint_id=source)
@@ -122,6 +126,8 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
                                   "load a checkpoint saved from this model") from exc
         for container, key, original in swapped:
             container[key] = container[key].redistribute(original.device_mesh, original.placements)
+        for container, key, original in experts:
+            container[key] = _rank_experts(container[key], original)
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
@@ -184,6 +190,62 @@ def _swap_strided(state, swap: Callable[[DTensor], DTensor]) -> list[tuple[dict 
             swapped.append((state, key, value))
         else:
             swapped += _swap_strided(value, swap)
+    return swapped
+
+
+def _expert_meshes(model: nn.Module) -> dict[str, object]:
+    """Name of every parameter an expert-parallel experts module holds for its ep rank -> the (edp, ep) mesh
+    (runtime/expert_parallel.py)."""
+    out = {}
+    for path, module in model.named_modules():
+        mesh = getattr(module, "_autoshard_ep_mesh", None)
+        if mesh is not None:
+            out.update({f"{path}.{name}": mesh for name, _ in module.named_parameters(recurse=False)})
+    return out
+
+
+def _all_experts(t: torch.Tensor, mesh) -> DTensor:
+    """This ep rank's experts (all of them across its data-parallel shards) as its block of every rank's, on the
+    (edp, ep) mesh: what DCP saves, each expert once, at its global offset."""
+    block = t.full_tensor() if isinstance(t, DTensor) else t
+    block = block.contiguous()
+    shape = torch.Size((block.shape[0] * mesh.size(1), *block.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(block, mesh, (Replicate(), Shard(0)), run_check=False, shape=shape, stride=stride)
+
+
+def _empty_all_experts(t: torch.Tensor, mesh) -> DTensor:
+    like = _all_experts(t, mesh)
+    return dtensor_empty(*like.shape, dtype=like.dtype, device_mesh=mesh, placements=like.placements)
+
+
+def _rank_experts(loaded: DTensor, original: torch.Tensor) -> torch.Tensor:
+    """Back from `_all_experts`: this ep rank's block, laid out as the parameter (or its state) was."""
+    block = loaded.to_local()
+    if isinstance(original, DTensor):
+        return distribute_tensor(block, original.device_mesh, original.placements, src_data_rank=None)
+    return block
+
+
+def _swap_experts(state: dict, meshes: dict[str, object], swap) -> list[tuple[dict, str, torch.Tensor]]:
+    """Replace, in place, each expert-parallel parameter in `state` (by name) and its optimizer state (exp_avg,
+    ...; not the 0-d step) by `swap(tensor, mesh)`; returns (container, key, original) of each. As they stand, a
+    rank's experts are its ep block of every expert: every ep rank would write another tensor under one name at
+    the same offsets."""
+    if not meshes:
+        return []
+    model = state["model"]
+    tables = [(model, {k: meshes[k] for k in model if k in meshes})]
+    for name, per_param in state.get("optim", {}).get("state", {}).items():
+        if name in meshes:
+            tables.append((per_param, dict.fromkeys(per_param, meshes[name])))
+    swapped = []
+    for container, mesh_of in tables:
+        for key, mesh in mesh_of.items():
+            value = container[key]
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                container[key] = swap(value, mesh)
+                swapped.append((container, key, value))
     return swapped
 
 

@@ -116,10 +116,11 @@ def _local_param(p: torch.Tensor, lo: int, hi: int) -> nn.Parameter:
     return nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
 
 
-def apply_expert_parallel(model: nn.Module, group, ep: int, ep_rank: int) -> None:
+def apply_expert_parallel(model: nn.Module, group, ep: int, ep_rank: int, *, checkpoint_mesh=None) -> None:
     """Split `model`'s experts over `group` (ep ranks, this one `ep_rank`), in place: this rank keeps experts
     [ep_rank·E/ep, (ep_rank+1)·E/ep) of every experts module, and the experts' forward dispatches tokens to
-    the ranks that hold their experts."""
+    the ranks that hold their experts. `checkpoint_mesh`: the (edp, ep) mesh checkpoints describe all the
+    experts on (runtime/checkpoint.py), kept on each experts module."""
     if ep < 1 or not 0 <= ep_rank < ep:
         raise RuntimeSetupError(f"expert parallel: ep rank {ep_rank} is not one of {ep} ranks; pass 0 <= ep_rank < ep")
     why = expert_parallel_blocker(model, ep)
@@ -135,6 +136,7 @@ def apply_expert_parallel(model: nn.Module, group, ep: int, ep_rank: int) -> Non
             if p is not None and p.shape[0] == experts:
                 setattr(m, name, _local_param(p, lo, hi))
         m._autoshard_ep = (group, ep, ep_rank, experts)
+        m._autoshard_ep_mesh = checkpoint_mesh
     configs = {id(c): c for c in [getattr(model, "config", None), *(m.config for m in found)] if c is not None}
     for config in configs.values():
         # a property on PreTrainedConfig (stored in `_experts_implementation_internal`, set on the sub-configs

@@ -134,9 +134,10 @@ def context_parallel_group(spec: MeshSpec, *, device_type: str = "cpu"):
 
 def expert_parallel_meshes(spec: MeshSpec, ep: int, *, device_type: str = "cpu"):
     """(ep process group, this rank's index in it, (shard mesh, replicate mesh) of the ranks holding the same
-    experts) for expert parallelism over ep consecutive dp ranks (cost_models/expert_parallel.py): the dp ranks
-    as an (edp, ep, edp_shard) mesh, edp = dp / ep. The expert weights' FSDP2 runs on `mesh["edp"]` (ZeRO 1-3)
-    or on the HSDP mesh (edp replicated, a shard dim of one rank: ZeRO-0). Call on every rank."""
+    experts, the (edp, ep) mesh) for expert parallelism over ep consecutive dp ranks
+    (cost_models/expert_parallel.py): the dp ranks as an (edp, ep, edp_shard) mesh, edp = dp / ep. The expert
+    weights' FSDP2 runs on `mesh["edp"]` (ZeRO 1-3) or on the HSDP mesh (edp replicated, a shard dim of one
+    rank: ZeRO-0); checkpoints describe all experts on the (edp, ep) mesh. Call on every rank."""
     if spec.tp_axes or spec.degree("pp") > 1 or spec.degree("cp") > 1:
         raise RuntimeSetupError(f"mesh {spec}: the runtime runs expert parallelism with data parallel and ZeRO "
                                 "only (no tensor-parallel, pipeline or context-parallel axis); re-plan with ep=1 "
@@ -151,7 +152,8 @@ def expert_parallel_meshes(spec: MeshSpec, ep: int, *, device_type: str = "cpu")
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep", "edp_shard"))
         cached = _MESHES[key] = (mesh, dist.group.WORLD)
     mesh = cached[0]
-    return mesh.get_group("ep"), mesh.get_local_rank("ep"), (mesh["edp"], mesh[("edp", "edp_shard")])
+    return (mesh.get_group("ep"), mesh.get_local_rank("ep"), (mesh["edp"], mesh[("edp", "edp_shard")]),
+            mesh[("edp", "ep")])
 
 
 def tp_mesh_names(mesh: DeviceMesh) -> tuple[str, ...]:

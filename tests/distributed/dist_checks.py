@@ -26,7 +26,7 @@ from autoshard.runtime import (
 )
 from autoshard.runtime.split import SplitLinear
 
-__all__ = ["compare_cases", "loss_of", "full_named"]
+__all__ = ["compare_cases", "loss_of", "full_named", "all_experts"]
 
 STEPS = 3
 LR = 1e-3
@@ -60,14 +60,19 @@ def full_named(pmodel: nn.Module, names: list[str], *, grads: bool) -> dict[str,
             out[name] = torch.cat(parts, dim=module.in_dim)
         else:
             p = module._parameters[local]
-            out[name] = _full(p.grad if grads else p)
-            ep = getattr(module, "_autoshard_ep", None)
-            if ep is not None and out[name] is not None:  # this rank's experts: gather the ep group's
-                group, size = ep[0], ep[1]
-                parts = [torch.empty_like(out[name]) for _ in range(size)]
-                dist.all_gather(parts, out[name].contiguous(), group=group)
-                out[name] = torch.cat(parts)
+            out[name] = all_experts(module, _full(p.grad if grads else p))
     return out
+
+
+def all_experts(module: nn.Module, t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` (a parameter of `module`, its gradient or optimizer state) with every rank's experts when `module`
+    is an expert-parallel experts module (gathered over the ep group); else `t`."""
+    ep = getattr(module, "_autoshard_ep", None)
+    if ep is None or t is None or t.dim() == 0:
+        return t
+    parts = [torch.empty_like(t) for _ in range(ep[1])]
+    dist.all_gather(parts, t.contiguous(), group=ep[0])
+    return torch.cat(parts)
 
 
 def _max_diff(got: dict, want: dict) -> tuple[float, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from dist_checks import full_named, loss_of
+from dist_checks import all_experts, full_named, loss_of
 from dist_models import build, example_batch
 from torch.distributed.tensor import DTensor
 
@@ -62,7 +62,8 @@ def full_state(pmodel, optimizer, names: list[str]) -> dict | None:
     (every rank gathers: the collectives must match)."""
     params = full_named(pmodel, names, grads=False)
     by_param = dict(pmodel.named_parameters())
-    optim = {n: {k: _full(v) for k, v in sorted(optimizer.state[by_param[n]].items())} for n in names
+    optim = {n: {k: all_experts(pmodel.get_submodule(n.rpartition(".")[0]), _full(v))
+                 for k, v in sorted(optimizer.state[by_param[n]].items())} for n in names
              if by_param[n] in optimizer.state}
     if dist.get_rank() != 0:
         return None

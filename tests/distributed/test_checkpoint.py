@@ -4,7 +4,9 @@ Tiny GPT-2 (2 layers, hidden 64, tied LM head) trained two AdamW steps, then:
 (a) saved under Megatron 1D TP on 4 ranks, loaded under ZeRO-3 on 2 ranks;
 (b) saved under DP on 2 ranks, loaded under Optimus 2D (tp_r x tp_c = 2 x 2) on 4 ranks, after a second save
     to the same path failed on rank 1 mid-write;
-(c) saved under context parallel 2 with ZeRO-3 on 2 ranks, loaded under dp 2 x cp 2 on 4 ranks (issue 16).
+(c) saved under context parallel 2 with ZeRO-3 on 2 ranks, loaded under dp 2 x cp 2 on 4 ranks (issue 16);
+(d) a tiny Mixtral saved under expert parallel 2 over dp 4 with ZeRO-3 on 4 ranks (each expert's weights in
+    two FSDP shards), loaded under ep 2 = dp 2 and under plain data parallelism (no EP) on 2 ranks.
 The loading runs build the model with other weights, so only the checkpoint can make them equal. Three
 worlds (4, 2, then 4 ranks) run in sequence; the single-process tests below need no process group.
 """
@@ -19,7 +21,7 @@ import torch
 from dist_ckpt import BATCH, run_cases
 from dist_harness import run_world
 from dist_models import SEQ, build, example_batch
-from dist_plans import make_cp_plan, make_plan
+from dist_plans import make_cp_plan, make_ep_plan, make_plan
 
 from autoshard.errors import CheckpointError
 from autoshard.planner.layouts import MeshSpec
@@ -44,6 +46,14 @@ def _cp_plan(dp: int, cp: int, zero: int = 0):
     return make_cp_plan(_graph(), _graph(SEQ // cp), dp=dp, cp=cp, family="replicate", global_batch=BATCH, zero=zero)
 
 
+@functools.cache
+def _moe_graph():
+    from autoshard.capture import capture
+
+    x, _ = example_batch("mixtral", 2)
+    return capture(build("mixtral"), (x,))
+
+
 def _plan(family: str, zero: int = 0, **degrees: int):
     return make_plan(_graph(), MeshSpec.of(**degrees), family, global_batch=BATCH, zero=zero)
 
@@ -59,11 +69,18 @@ def _runs(tmp: str) -> dict:
     b_load = {**base, "check": "load", "plan": _plan("2d", tp_r=2, tp_c=2), "path": dp2}
     c_save = {**base, "check": "save", "plan": _cp_plan(1, 2, zero=3), "path": cp2}
     c_load = {**base, "check": "load", "plan": _cp_plan(2, 2), "path": cp2}
-    (a_saved,), *_ = run_world(run_cases, 4, [a_save], timeout_s=300)
-    (a_loaded, b_interrupted, c_saved), *others = run_world(run_cases, 2, [a_load, b_save, c_save], timeout_s=300)
+    ep2 = os.path.join(tmp, "ep2")
+    moe = {"model": "mixtral", "steps": 2, "path": ep2}
+    d_save = {**moe, "check": "save", "plan": make_ep_plan(_moe_graph(), dp=4, ep=2, global_batch=BATCH, zero=3)}
+    d_load_ep = {**moe, "check": "load", "plan": make_ep_plan(_moe_graph(), dp=2, ep=2, global_batch=BATCH)}
+    d_load_dp = {**moe, "check": "load", "plan": make_ep_plan(_moe_graph(), dp=2, ep=1, global_batch=BATCH)}
+    (a_saved, d_saved), *_ = run_world(run_cases, 4, [a_save, d_save], timeout_s=300)
+    (a_loaded, b_interrupted, c_saved, d_loaded_ep, d_loaded_dp), *others = run_world(
+        run_cases, 2, [a_load, b_save, c_save, d_load_ep, d_load_dp], timeout_s=300)
     (b_loaded, c_loaded), *_ = run_world(run_cases, 4, [b_load, c_load], timeout_s=300)
     return {"a_saved": a_saved, "a_loaded": a_loaded, "b": b_interrupted, "b_rank1": others[0][1],
-            "b_loaded": b_loaded, "tp4": tp4, "dp2": dp2, "c_saved": c_saved, "c_loaded": c_loaded}
+            "b_loaded": b_loaded, "tp4": tp4, "dp2": dp2, "c_saved": c_saved, "c_loaded": c_loaded,
+            "d_saved": d_saved, "d_loaded_ep": d_loaded_ep, "d_loaded_dp": d_loaded_dp}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +123,17 @@ def test_context_parallel_checkpoint_loads_bitwise_under_another_cp_and_dp(runs)
     assert not torch.equal(loaded["before"]["params"]["transformer.h.0.mlp.c_fc.weight"],
                            saved["params"]["transformer.h.0.mlp.c_fc.weight"])
     _assert_bitwise_equal(loaded["after"], saved)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("loaded", ["d_loaded_ep", "d_loaded_dp"])
+def test_expert_parallel_checkpoint_loads_bitwise_under_another_ep_and_without_ep(runs, loaded):
+    saved, after = runs["d_saved"], runs[loaded]
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert saved["params"][name].shape[0] == 4  # all four experts, gathered from two ep ranks' blocks
+    assert saved["optim"][name]["step"].item() == 2
+    assert not torch.equal(after["before"]["params"][name], saved["params"][name])
+    _assert_bitwise_equal(after["after"], saved)
 
 
 @pytest.mark.timeout(420)
