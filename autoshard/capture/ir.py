@@ -212,10 +212,23 @@ class OpGraph:
         return dict(sorted(counts.items()))
 
     def fingerprint(self) -> str:
-        """Hash of the structure (kinds, shapes, parameters, edges): equal models give equal fingerprints."""
+        """Hash of the structure (kinds, shapes, parameters, edges): equal models give equal fingerprints, in
+        any dtype: an op that only casts its input (`.to(dtype)`, which the same model in the cast's dtype does
+        not trace at all; transformers' MoE layers end with one) is left out and its consumers read its input.
+        Index ops (sizes and positions, no cost) are left out too: torch.export shares one between layers or
+        not depending on the dtype (a MoE layer's row count, computed once in the first layer that needs it)."""
         h = hashlib.sha256()
+        alias: dict[str, str] = {}
+        index = {op.name for op in self.ops if op.kind is OpKind.INDEX}
         for op in self.ops:
-            rec = [op.kind.value, op.module_path, list(op.inputs), list(op.output_meta.shape),
+            if op.name in index:
+                continue
+            if op.aten == ("to",) and not op.params and len(op.inputs) == 1 and \
+                    op.input_meta[0].shape == op.output_meta.shape:
+                alias[op.name] = alias.get(op.inputs[0], op.inputs[0])
+                continue
+            inputs = [alias.get(i, i) for i in op.inputs if i not in index]
+            rec = [op.kind.value, op.module_path, inputs, list(op.output_meta.shape),
                    [[p.name, list(p.shape)] for p in op.params]]
             h.update(json.dumps(rec).encode())
         return h.hexdigest()[:16]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -41,7 +42,8 @@ def capture(model: nn.Module, example_inputs: tuple | dict, *, name: str | None 
     """
     t0 = time.perf_counter()
     example_inputs = positional_inputs(model, example_inputs)
-    exported = export_model(model, example_inputs)
+    with _one_expert_kernel():
+        exported = export_model(model, example_inputs)
     coarse = coarsen(exported, model)
     ops, blocks = find_blocks(_mark_shared(coarse.ops))
     seq = _seq_len(ops)
@@ -54,6 +56,29 @@ def capture(model: nn.Module, example_inputs: tuple | dict, *, name: str | None 
     log.info("captured %s: %d ops, %d params, %.1f s", graph.model_name, len(ops), graph.num_params,
              graph.capture_s)
     return graph
+
+
+@contextlib.contextmanager
+def _one_expert_kernel():
+    """Mixture-of-experts layers in transformers pick their grouped matmul by device and dtype (`grouped_mm` for
+    bf16 under export, its own `grouped_mm_fallback` op otherwise): the same model captured on the meta device
+    in one dtype and on the CPU in another would give two graphs with two fingerprints, and a plan made by
+    `estimate` would not match the model `measure` runs. Capture always records the fallback op (it has a fake
+    kernel, so the meta device traces it): one name, the same shapes and FLOPs."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # no transformers: no MoE layers of its making
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
 
 
 def _forward_parameters(model) -> tuple[str, ...]:
