@@ -171,7 +171,8 @@ def _cmd_plan(args) -> int:
     args.progress.close()
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
-            "mesh": plan.mesh.to_json(), "micro_batch": plan.micro_batch, "num_microbatches": plan.num_microbatches,
+            "mesh": plan.mesh.to_json(), "ep": plan.ep, "micro_batch": plan.micro_batch,
+            "num_microbatches": plan.num_microbatches,
             "recompute": plan.recompute, "attention": plan.attention, "pipeline": {"degree": plan.pipeline.degree,
                                                       "schedule": plan.pipeline.schedule,
                                                       "virtual_stages": plan.pipeline.virtual_stages},
@@ -204,7 +205,8 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
     lines = [f"{plan.model} on {cluster} ({cluster.num_gpus} GPUs), global batch {plan.global_batch}, "
              f"seq {plan.seq}",
              f"mesh             {plan.mesh}" + (f", {pipe.schedule} x{pipe.virtual_stages} over {pipe.degree} stages"
-                                               if pipe.degree > 1 else ""),
+                                               if pipe.degree > 1 else "")
+             + (f", experts over ep={plan.ep} of the dp ranks" if plan.ep > 1 else ""),
              f"micro-batch      {batch_label(plan.micro_batch, plan.num_microbatches)}, "
              f"recompute {recompute_label(plan.recompute, plan.attention)}"
              + (", layered gradient accumulation" if pipe.layered else ""),

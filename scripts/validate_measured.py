@@ -10,10 +10,11 @@ compare. Writes benchmarks/measured_validation.md and .json (issue 14).
    a single round's host costs by 50-70%; within one run on 2026-11-26 kernel launch, DTensor dispatch and the
    optimizer's per-tensor cost moved 50-63% between rounds) ->
    benchmarks/measured/cpu{2,4}.yaml, and the rounds' spread of the figures that matter most is reported;
-2. plans of a small GPT and a small Llama on 2 and 4 ranks: data parallel, ZeRO-1/2/3, ZeRO per operator, 1D
-   tensor parallel, 1D + sequence parallel, 2D, pipelines (GPipe, 1F1B, interleaved, looped BFS), other
-   micro-batches, recompute full and selective, context parallel (K/V all-gathered; priced on the rank-local
-   graph), and the planner's own choice, made on the first round's profile;
+2. plans of a small GPT, a small Llama and a small mixture-of-experts model on 2 and 4 ranks: data parallel,
+   ZeRO-1/2/3, ZeRO per operator, 1D tensor parallel, 1D + sequence parallel, 2D, pipelines (GPipe, 1F1B,
+   interleaved, looped BFS), other micro-batches, recompute full and selective, context parallel (K/V
+   all-gathered; priced on the rank-local graph), expert parallel (all-to-all routing), and the planner's own
+   choice, made on the first round's profile;
 3. every plan run on the ranks (one torchrun per world size and pass; `--repeats` passes over all plans,
    `--steps` timed steps each, after `--warmup`): the measured step is the median over passes of the median step;
 4. every plan (the planner's choices too) priced on the median profile of the ranks it runs on; per plan
@@ -48,6 +49,8 @@ sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # dist_plans: hand-made
 
 GPT = "gpt:layers=4,hidden=256,heads=4,seq=128,vocab=512"
 LLAMA = "llama:layers=4,hidden=256,heads=4,ffn=688,seq=128,vocab=512"
+MOE = "mixtral:layers=4,hidden=256,heads=4,ffn=512,seq=128,vocab=512,experts=4,top_k=2"
+LABELS = {GPT: "gpt", LLAMA: "llama", MOE: "moe"}
 BATCH = 8
 # (name, model, world, estimate-style config or a hand-made family): each is one measured plan
 CONFIGS = [
@@ -78,6 +81,11 @@ CONFIGS = [
     # context parallel (issue 16): priced on the rank-local graph (seq / cp tokens), K/V all-gathered
     ("gpt-cp2", GPT, 2, dict(cp=2, dp=1, micro_batch=4)),
     ("llama-dp2-cp2", LLAMA, 4, dict(cp=2, dp=2, micro_batch=2)),
+    # expert parallel (issue 16): a 4-expert top-2 MoE, its experts over ep of the dp ranks, all-to-all routing
+    ("moe-dp2", MOE, 2, dict(dp=2, micro_batch=4)),
+    ("moe-ep2", MOE, 2, dict(dp=2, ep=2, micro_batch=4)),
+    ("moe-ep4", MOE, 4, dict(dp=4, ep=4, micro_batch=2)),
+    ("moe-dp4-ep2-zero3", MOE, 4, dict(dp=4, ep=2, micro_batch=2, zero=3)),
 ]
 
 
@@ -150,7 +158,7 @@ def _graphs() -> dict:
     from autoshard.capture import capture_model
     from autoshard.models import load_model
 
-    return {m: capture_model(load_model(m)) for m in (GPT, LLAMA)}
+    return {m: capture_model(load_model(m)) for m in (GPT, LLAMA, MOE)}
 
 
 @functools.cache
@@ -199,7 +207,7 @@ def build_plans(only: set[str] | None) -> list[dict]:
     for model, world in sorted({(m, w) for n, m, w, _ in CONFIGS if not only or n in only}):
         cluster = ClusterSpec.parse(str(profile_file(world)))
         plan, _ = make_plan(graphs[model], cluster, global_batch=BATCH, space=parse_space(None))
-        label = f"{'llama' if model == LLAMA else 'gpt'}-planner-{world}"
+        label = f"{LABELS[model]}-planner-{world}"
         out.append(_save(plan, label, model, world, tmp, planner=True))
     return out
 
@@ -304,7 +312,7 @@ def write_report(summary: dict, args, elapsed_s: float) -> None:
                 if summary.get("profile_spread") else "reused") +
              f") and run in {args.repeats} passes of "
              f"{args.steps} timed steps (after {args.warmup}); measured = median over passes of the median step. "
-             f"Global batch {BATCH}; models `{GPT}` and `{LLAMA}`; fp32 on CPU.",
+             f"Global batch {BATCH}; models `{GPT}`, `{LLAMA}` and `{MOE}`; fp32 on CPU.",
              "", f"**MAPE {summary['mape_pct']:.1f}%** (mean signed error {summary['signed_pct']:+.1f}%), "
              f"**Kendall's tau {summary['kendall_tau']:.2f}** over {len(summary['rows'])} plans; median spread "
              f"of the passes (max - min over the median) {summary['median_spread_pct']:.0f}%.", ""]

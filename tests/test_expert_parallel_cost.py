@@ -119,3 +119,25 @@ def test_an_expert_parallel_plan_round_trips_through_json(tmp_path):
     path = tmp_path / "ep.json"
     plan.save(path)
     assert Plan.load(path).ep == 4
+
+
+def test_plan_searches_every_ep_degree_and_reports_each_beside_the_best_without_ep():
+    out = subprocess.run([sys.executable, "-m", "autoshard", "plan", MOE, "--cluster", CLUSTER, "--global-batch", "16",
+                          "--json"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    ep = data["expert_parallel"]
+    assert sorted(ep["by_ep_s"]) == ["2", "4", "8"]
+    times = {1: ep["without_ep_s"], **{int(k): v for k, v in ep["by_ep_s"].items()}}
+    assert ep["chosen_ep"] == min(times, key=times.get)
+    assert data["predicted"]["iteration_time_s"] == pytest.approx(times[ep["chosen_ep"]])
+
+
+def test_explain_describes_an_expert_parallel_plan(tmp_path):
+    plan, _ = _estimate(4)
+    path = tmp_path / "ep.json"
+    plan.save(path)
+    out = subprocess.run([sys.executable, "-m", "autoshard", "explain", str(path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "expert parallel 4: each MoE layer's experts over 4 of the 8 data-parallel ranks" in out.stdout

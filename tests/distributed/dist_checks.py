@@ -26,7 +26,7 @@ from autoshard.runtime import (
 )
 from autoshard.runtime.split import SplitLinear
 
-__all__ = ["compare_cases", "loss_of", "full_named", "all_experts"]
+__all__ = ["compare_cases", "loss_of", "full_named", "all_experts", "results_by_case", "assert_matches_one_process"]
 
 STEPS = 3
 LR = 1e-3
@@ -155,3 +155,27 @@ def fail_on_rank(rank: int, world: int, failing: int) -> int:
     if rank == failing:
         raise ValueError(f"simulated failure of rank {rank}")
     return rank
+
+
+def results_by_case(world: int, cases: list[dict], keep: tuple[str, ...] = ("predicted_param_bytes", "predicted_comm"),
+                    *, timeout_s: float = 480) -> dict[str, list[dict]]:
+    """Run `cases` on `world` gloo ranks (`compare_cases`); per case id, every rank's result, with the case's
+    `keep` entries (the parent's predictions) added."""
+    from dist_harness import run_world
+
+    per_rank = run_world(compare_cases, world, cases, timeout_s=timeout_s)
+    for i, case in enumerate(cases):
+        for rank in per_rank:
+            rank[i] |= {k: case[k] for k in keep}
+    return {r["case"]: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
+
+
+def assert_matches_one_process(case_id: str, results: list[dict], atol: float) -> None:
+    """Loss, every gradient after one step and every parameter after three AdamW steps within `atol` of the
+    single-process run, on every rank."""
+    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
+    print(f"{case_id}: loss {worst['loss_diff']:.1e} grad {worst['grad_diff']:.1e} "
+          f"params after 3 AdamW steps {worst['param_diff']:.1e}")
+    assert worst["loss_diff"] <= atol
+    assert worst["grad_diff"] <= atol, results[0]["grad_worst"]
+    assert worst["param_diff"] <= atol, results[0]["param_worst"]

@@ -13,8 +13,7 @@ import functools
 from dataclasses import replace
 
 import pytest
-from dist_checks import compare_cases
-from dist_harness import run_world
+from dist_checks import assert_matches_one_process, results_by_case
 from dist_models import SEQ, build, example_batch
 from dist_plans import make_cp_plan
 
@@ -75,23 +74,13 @@ def _world_results(world: int) -> dict[str, dict]:
         cases.append({"id": case_id, "model": model, "batch": BATCH, "plan": plan, "graph": local,
                       "predicted_param_bytes": predicted_param_bytes(plan, local, cluster),
                       "predicted_comm": predicted_step_comm(plan, local, cluster)})
-    per_rank = run_world(compare_cases, world, cases, timeout_s=480)
-    for i, case in enumerate(cases):
-        for rank in per_rank:
-            rank[i] |= {k: case[k] for k in ("predicted_param_bytes", "predicted_comm")}
-    return {r["case"]: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
+    return results_by_case(world, cases)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_context_parallel_loss_gradients_and_adamw_steps_match_single_process(case_id):
-    results = _world_results(CASES[case_id][0])[case_id]
-    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
-    print(f"{case_id}: loss {worst['loss_diff']:.1e} grad {worst['grad_diff']:.1e} "
-          f"params after 3 AdamW steps {worst['param_diff']:.1e}")
-    assert worst["loss_diff"] <= ATOL
-    assert worst["grad_diff"] <= ATOL, results[0]["grad_worst"]
-    assert worst["param_diff"] <= ATOL, results[0]["param_worst"]
+    assert_matches_one_process(case_id, _world_results(CASES[case_id][0])[case_id], ATOL)
 
 
 @pytest.mark.timeout(600)
