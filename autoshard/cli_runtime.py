@@ -45,6 +45,9 @@ def measure_text(result) -> list[str]:
              f"(min {min(step.steps_s) * 1e3:.1f}, max {max(step.steps_s) * 1e3:.1f}, IQR {step.iqr_s * 1e3:.1f})",
              f"  train_step      {result.train_step.median_s * 1e3:.1f} ms (forward, loss, backward)",
              f"  optimizer       {result.optimizer.median_s * 1e3:.1f} ms (AdamW step, zero_grad)"]
+    if result.routing_imbalance is not None:
+        lines.append(f"  routing         the busiest expert-parallel rank received {result.routing_imbalance:.2f}x "
+                     "the mean rows (MoE layers' mean; `estimate --ep-imbalance` takes it)")
     if result.predicted_s is not None:
         lines.append(f"predicted step   {result.predicted_s * 1e3:.1f} ms ({result.error_pct:+.1f}%: "
                      f"{'too fast' if result.error_pct < 0 else 'too slow'})")

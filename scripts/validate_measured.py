@@ -218,8 +218,9 @@ def _save(plan, name: str, model: str, world: int, tmp: Path, *, planner: bool) 
     pipe = plan.pipeline
     return {"name": name, "model": model, "world": world, "path": str(path), "planner": planner,
             "predicted_s": plan.prediction.iteration_time_s, "breakdown_s": plan.prediction.time.seconds(),
-            "config": f"{plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_microbatches}, recompute "
-                      f"{plan.recompute}" + (f", {pipe.schedule} x{pipe.virtual_stages}" if pipe.degree > 1 else "")}
+            "config": f"{plan.mesh}" + (f" (ep={plan.ep})" if plan.ep > 1 else "") + f", micro-batch {plan.micro_batch} x "
+                      f"{plan.num_microbatches}, recompute {plan.recompute}"
+                      + (f", {pipe.schedule} x{pipe.virtual_stages}" if pipe.degree > 1 else "")}
 
 
 # -- worker (on every rank, under torchrun) ----------------------------------------------------------------

@@ -32,15 +32,21 @@ with a clear error.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from autoshard.errors import RuntimeSetupError
 
-__all__ = ["EP_EXPERTS_NAME", "expert_modules", "expert_parallel_blocker", "apply_expert_parallel"]
+__all__ = ["EP_EXPERTS_NAME", "expert_modules", "expert_parallel_blocker", "apply_expert_parallel",
+           "reset_routing_counts", "routing_imbalance"]
 
 EP_EXPERTS_NAME = "autoshard_ep"
+# forward calls per experts module whose received rows are kept for `routing_imbalance` (every rank keeps the
+# same calls, so they stay aligned; a long run keeps its latest)
+_ROUTING_CALLS = 4096
 
 _EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 _EXPERT_BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
@@ -136,12 +142,44 @@ def apply_expert_parallel(model: nn.Module, group, ep: int, ep_rank: int, *, che
             if p is not None and p.shape[0] == experts:
                 setattr(m, name, _local_param(p, lo, hi))
         m._autoshard_ep = (group, ep, ep_rank, experts)
+        m._autoshard_rows = collections.deque(maxlen=_ROUTING_CALLS)  # rows this rank's experts received, per call
         m._autoshard_ep_mesh = checkpoint_mesh
     configs = {id(c): c for c in [getattr(model, "config", None), *(m.config for m in found)] if c is not None}
     for config in configs.values():
         # a property on PreTrainedConfig (stored in `_experts_implementation_internal`, set on the sub-configs
         # as well); the setter does not validate the name, transformers' dispatch looks it up at each call
         config._experts_implementation = EP_EXPERTS_NAME
+
+
+def reset_routing_counts(model: nn.Module) -> None:
+    """Forget the rows the experts received so far (e.g. in warm-up steps)."""
+    for module in model.modules():
+        if hasattr(module, "_autoshard_rows"):
+            module._autoshard_rows.clear()
+
+
+def routing_imbalance(model: nn.Module) -> float | None:
+    """The busiest ep rank's routed rows over the ep group's mean, averaged over every expert-parallel MoE
+    layer's forward calls since the last `reset_routing_counts`: what the cost model's load imbalance prices
+    (`estimate --ep-imbalance` takes it). None without expert parallelism. Call on every rank (one all-gather
+    per experts module over its ep group); every rank gets the same value."""
+    ratios = []
+    for module in model.modules():
+        rows = getattr(module, "_autoshard_rows", None)
+        if rows is None:
+            continue
+        group, ep = module._autoshard_ep[0], module._autoshard_ep[1]
+        mine = torch.tensor(list(rows), dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(ep)]
+        torch.distributed.all_gather(every, mine, group=group)
+        per_call = torch.stack(every)  # (ep ranks, calls)
+        mean = per_call.mean(0)
+        ratios += (per_call.max(0).values[mean > 0] / mean[mean > 0]).tolist()
+    if not ratios:
+        return None
+    local = torch.tensor([sum(ratios), len(ratios)], dtype=torch.float64)
+    torch.distributed.all_reduce(local)  # ep groups differ across the dp / ep replicas: one figure for the job
+    return float(local[0] / local[1])
 
 
 def _register() -> None:
@@ -186,6 +224,7 @@ def _ep_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     # 2. how many rows every rank sends to each of this rank's experts
     recv = _exchange_counts(send, group).reshape(ep, local)
     send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    self._autoshard_rows.append(sum(recv_splits))  # for `routing_imbalance`
     # 3. dispatch
     rows = hidden_states[order // k]
     received = all_to_all_single_autograd(rows, recv_splits, send_splits, group)

@@ -71,6 +71,9 @@ class MeasuredPlan:
     optimizer: StepTimes  # optimizer.step() + zero_grad()
     predicted_s: float | None
     predicted_breakdown_s: dict[str, float] | None
+    # expert parallelism: the busiest ep rank's routed rows over the mean, averaged over the MoE layers' calls in
+    # the timed steps (runtime/expert_parallel.py `routing_imbalance`); None without EP
+    routing_imbalance: float | None = None
 
     @property
     def error_pct(self) -> float | None:
@@ -171,6 +174,7 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
     """Apply `plan` on this job's ranks and time `steps` training steps after `warmup` (module docstring).
     Call on every rank under torchrun; every rank returns the same result. `cluster` defaults to the plan's."""
     from autoshard.runtime.entry import autoparallel
+    from autoshard.runtime.expert_parallel import reset_routing_counts, routing_imbalance
 
     if steps < 1 or warmup < 0:
         raise ConfigurationError(f"measure needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
@@ -194,6 +198,8 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
         opt.zero_grad(set_to_none=True)
         _sync(device)
         t2 = time.perf_counter()
+        if i + 1 == warmup:
+            reset_routing_counts(pm)
         if i >= warmup:
             step_t.append(t2 - t0)
             fb_t.append(t1 - t0)
@@ -201,9 +207,10 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
         if progress is not None:
             progress(i + 1, warmup + steps)
     pred = plan.prediction
+    imbalance = routing_imbalance(pm) if plan.ep > 1 else None
     return MeasuredPlan(model=plan.model, cluster=str(spec), mesh=str(plan.mesh), world_size=dist.get_world_size(),
                         step=StepTimes(steps_s=tuple(_slowest(step_t, device))),
                         train_step=StepTimes(steps_s=tuple(_slowest(fb_t, device))),
                         optimizer=StepTimes(steps_s=tuple(_slowest(opt_t, device))),
                         predicted_s=pred.iteration_time_s if pred else None,
-                        predicted_breakdown_s=pred.time.seconds() if pred else None)
+                        predicted_breakdown_s=pred.time.seconds() if pred else None, routing_imbalance=imbalance)

@@ -12,7 +12,8 @@ layer and some ranks send nothing to some others: zero-row splits and a zero-row
 Bytes, summed over all ranks, of the all-to-alls of one forward and backward (`CollectiveRecorder`, which
 counts an all-to-all's input): per MoE layer the (token, slot) rows cross four times (dispatch and combine,
 forward and backward), T·k rows of H fp32 values each, plus one count exchange per rank in the forward
-(E int64 values): 4·T·k·H·4·layers + ep·E·8·layers.
+(E int64 values): 4·T·k·H·4·layers + ep·E·8·layers. `routing_imbalance` (the busiest rank's received rows over
+the mean, averaged over the layers) against the same figure counted from the reference's routing of the batch.
 """
 
 from __future__ import annotations
@@ -65,13 +66,21 @@ def _ep_step(rank: int, world: int, starve: bool) -> dict:
     import torch.distributed as dist
 
     from autoshard.runtime.comm_check import CollectiveRecorder, bytes_by_collective
-    from autoshard.runtime.expert_parallel import EP_EXPERTS_NAME, apply_expert_parallel, expert_modules
+    from autoshard.runtime.expert_parallel import (
+        EP_EXPERTS_NAME,
+        apply_expert_parallel,
+        expert_modules,
+        routing_imbalance,
+    )
 
     model = _tiny_mixtral()
     ref = copy.deepcopy(model)
     if starve:
         _starve_last_expert(model)
         _starve_last_expert(ref)
+    routed = []  # the reference's routing of the whole batch, per layer: what the ep ranks receive between them
+    for layer in ref.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda module, args, out: routed.append(out[2].reshape(-1)))
     x, y = _batch()
     ref_loss = _loss(ref, x, y)
     ref_loss.backward()
@@ -103,11 +112,14 @@ def _ep_step(rank: int, world: int, starve: bool) -> dict:
         if d > grad_diff:
             grad_diff, worst = d, n
     calls = [c for c in rec.calls if c.kind == "all_to_all"]
+    per_rank = [torch.bincount(index, minlength=EXPERTS).reshape(world, -1).sum(1).double() for index in routed]
+    want_imbalance = sum(float(c.max() / c.mean()) for c in per_rank) / len(per_rank)
     return {"loss_diff": abs(mean_loss.item() / world - ref_loss.item()), "grad_diff": grad_diff, "worst": worst,
             "a2a_bytes": bytes_by_collective(rec.calls).get("all_to_all", 0), "a2a_calls": len(calls),
             "other_kinds": sorted({c.kind for c in rec.calls} - {"all_to_all"}),
             "expert_shapes": sorted({tuple(m.gate_up_proj.shape) for _, m in expert_modules(model)}),
-            "last_expert_grad_layer0": model.model.layers[0].mlp.experts.gate_up_proj.grad[-1].abs().max().item()}
+            "last_expert_grad_layer0": model.model.layers[0].mlp.experts.gate_up_proj.grad[-1].abs().max().item(),
+            "imbalance": routing_imbalance(model), "want_imbalance": want_imbalance}
 
 
 @pytest.mark.timeout(300)
@@ -124,6 +136,9 @@ def test_expert_parallel_loss_gradients_and_all_to_all_bytes_match_single_proces
         assert r["expert_shapes"] == [(EXPERTS // ep, 2 * 64, HIDDEN)]
         assert r["a2a_calls"] == 5 * LAYERS  # per layer: counts, dispatch and combine, and their two backwards
         assert r["other_kinds"] == []
+        # the busiest rank's received rows over the mean, per layer, averaged: from the reference's routing
+        assert r["imbalance"] == pytest.approx(r["want_imbalance"]), (r["imbalance"], r["want_imbalance"])
+        assert 1.0 <= r["imbalance"] <= ep
     if starve:  # the last rank holds the last expert, which ran on zero rows: a zero gradient, not None
         assert results[-1]["last_expert_grad_layer0"] == 0.0
     assert sum(r["a2a_bytes"] for r in results) == want_bytes
