@@ -91,6 +91,7 @@ class EdgeCost:
     fwd_s: float
     bwd_s: float
     comm: tuple[tuple[str, float], ...] = ()
+    fwd_comm: tuple[tuple[str, float], ...] = ()  # of `comm`, the forward's (issued again when recomputed)
 
     @property
     def time_s(self) -> float:
@@ -466,9 +467,10 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
         recompute, peak = fwd, dropped
     else:
         kept += dropped
-    if recompute:  # a recomputed context-parallel attention fetches the other ranks' keys and values again,
-        # a recomputed MoE layer dispatches and combines its rows again
-        comm = (*comm, *_cp_forward_comm(op, st, ctx), *_ep_forward_comm(op, ctx, expert))
+    if recompute:  # a recomputed op issues its forward's collectives again: 2D / 3D weight gathers, norm
+        # statistics, a context-parallel attention's K/V, a MoE layer's dispatch and combine
+        comm = (*comm, *_tp_forward_comm(op, st, ctx), *_cp_forward_comm(op, st, ctx),
+                *_ep_forward_comm(op, ctx, expert))
     return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
                   dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
                   optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
@@ -507,6 +509,18 @@ def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float 
 def _imbalance(ctx: PlanContext, expert: ExpertRole) -> float:
     """The busiest ep rank's routed rows over the mean: the context's, else the cost model's for the layer."""
     return ctx.ep_imbalance if ctx.ep_imbalance is not None else ep_load_imbalance(ctx.ep, expert.experts)
+
+
+def _tp_forward_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> list[tuple[str, float]]:
+    """The tensor-parallel collectives the op's own forward issues (its edges' are the edges'): each 2D / 3D
+    weight's gather to its compute placement, a norm's statistics over a sharded hidden dim."""
+    out = []
+    for pp in st.params:
+        meta = next(p for p in op.params if p.name == pp.name)
+        if meta.owner and any(pp.storage.get(a) != pp.compute.get(a) for a in ctx.mesh.tp_axes):
+            out.append(("all_gather", meta.numel / _deg(pp.compute, ctx, (OUT, IN)) * ctx.precision.param_bytes))
+    norm = _norm_stats_comm(op, st, ctx)[2]
+    return out + norm[:len(norm) // 2]
 
 
 def _routed_rows_bytes(op: Op, ctx: PlanContext, hidden: int) -> float:
@@ -612,11 +626,13 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
     grad_to = {a: REPLICATE if src.get(a) == PARTIAL else src.get(a) for a in axes}
     fwd = bwd = 0.0
     comm: list[tuple[str, float]] = []
+    forward: list[tuple[str, float]] = []
     for kind, axis, nbytes in _redistribution_steps({a: src.get(a) for a in axes},
                                                      {a: dst.get(a) for a in axes}, full, batch_on_dp, ctx):
         t = ctx.redistribute_s(kind, nbytes, (axis,))
         fwd += t
         comm.append((kind, nbytes))
+        forward.append((kind, nbytes))
         if regather and kind == "all_gather":
             bwd += t
             comm.append((kind, nbytes))
@@ -624,8 +640,9 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
         bwd += ctx.redistribute_s(kind, nbytes, (axis,))
         comm.append((kind, nbytes))
     if share != 1.0 and not regather:
-        return EdgeCost(fwd * share, bwd * share, tuple((k, b * share) for k, b in comm))
-    return EdgeCost(fwd, bwd, tuple(comm))
+        return EdgeCost(fwd * share, bwd * share, tuple((k, b * share) for k, b in comm),
+                        tuple((k, b * share) for k, b in forward))
+    return EdgeCost(fwd, bwd, tuple(comm), tuple(forward))
 
 
 def _redistribution_steps(start: dict[str, str], end: dict[str, str], full: float, batch_on_dp: bool,

@@ -70,7 +70,9 @@ def predicted_step_comm(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) 
             out[kind] += nbytes
     for e in tg.edges:
         n = e.per_stage[stage]
-        for kind, nbytes in ev.edge_costs[(e.src, e.dst, e.index)].comm:
+        c = ev.edge_costs[(e.src, e.dst, e.index)]
+        replayed = c.fwd_comm if plan.recompute == "full" and e.in_block else ()  # the recomputed forward's
+        for kind, nbytes in (*c.comm, *replayed):
             out[kind] += m * n * nbytes
     for name, c in ev.output_costs.items():
         if stage_of[name] == stage:

@@ -56,7 +56,12 @@ class TemplateEdge:
     index: int
     meta: TensorMeta
     per_stage: list[int]  # real edges per pipeline stage (by consumer)
-    in_block: bool  # both ends in the same repeated block: recomputed with the block under full recompute
+    # recomputed with the block under full recompute: both ends in one repeated block and the producer before
+    # the block's last op that keeps a tensor for backward. The runtime's checkpoint (torch's non-reentrant
+    # one) stops recomputing once every kept tensor is back, so what that op's output feeds, its output's
+    # redistribution included, does not run again (measured: a Megatron 1D Llama under full recompute
+    # all-reduces o_proj's output again, not down_proj's)
+    in_block: bool
     fanout: int = 1  # planned consumer inputs reading the producer (edge_cost's `share` is 1 / fanout)
 
 
@@ -97,6 +102,11 @@ def build_template(graph: OpGraph, stage_of_op: dict[str, int], num_stages: int)
     ops = [graph.op(n) for n in per_stage]
     edges: dict[tuple[str, str, int], TemplateEdge] = {}
     all_edges = list(planned_edges(graph))
+    position = {op.name: i for i, op in enumerate(graph.ops)}
+    last_keeper: dict[int, int] = {}  # layer -> position of its last op that keeps a tensor for backward
+    for i, op in enumerate(graph.ops):
+        if op.layer is not None and op.saved:
+            last_keeper[op.layer] = i
     # the runtime redistributes a producer's whole output once, to the layout its consumers want, before any
     # of them reads it (runtime/tensor_parallel.py); a consumer reading views of it (rotary embedding's halves
     # of q) reads from that one redistribution: every edge prices the producer's output, shared by all inputs
@@ -107,7 +117,8 @@ def build_template(graph: OpGraph, stage_of_op: dict[str, int], num_stages: int)
         key = (to_t[src], to_t[dst], i)
         e = edges.get(key)
         if e is None:
-            same_block = graph.op(src).layer is not None and graph.op(src).layer == graph.op(dst).layer
+            same_block = graph.op(src).layer is not None and graph.op(src).layer == graph.op(dst).layer \
+                and position[src] < last_keeper.get(graph.op(src).layer, -1)
             e = edges[key] = TemplateEdge(src=key[0], dst=key[1], index=i, meta=graph.op(src).output_meta,
                                           per_stage=[0] * num_stages, in_block=same_block,
                                           fanout=consumers[src])
