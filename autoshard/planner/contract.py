@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.planner.cache import graph_cache
 
-__all__ = ["attention_kernel", "ATTENTION_KERNELS", "spmd_blocker", "expert_ops", "ExpertRole", "expert_roles",
+__all__ = ["attention_kernel", "ATTENTION_KERNELS", "spmd_blocker", "is_expert_weight", "expert_ops", "ExpertRole",
+           "expert_roles",
            "num_experts", "expert_parallel_degrees", "attention_head_counts", "kv_head_fraction", "projection_head_slices", "largest_head_divisor",
            "pipeline_blocker", "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
 
@@ -43,10 +44,15 @@ OWN_PIPELINE_CLASSES = ("GQAGPT", "MLP")
 PIPELINE_ENTRY = "inputs_embeds"  # the keyword a later chunk enters the model's forward with
 
 
+def is_expert_weight(param) -> bool:
+    """A stack of expert weights (a 3-D parameter: experts x out x in)."""
+    return len(param.shape) == 3
+
+
 def expert_ops(graph: OpGraph) -> list[str]:
-    """Ops holding a stack of expert weights (a 3-D parameter: experts x out x in), as capture records the
-    grouped expert matmuls of mixture-of-experts layers."""
-    return [op.name for op in graph.ops if op.kind is OpKind.LINEAR and any(len(p.shape) == 3 for p in op.params)]
+    """Ops holding a stack of expert weights, as capture records the grouped expert matmuls of
+    mixture-of-experts layers."""
+    return [op.name for op in graph.ops if op.kind is OpKind.LINEAR and any(map(is_expert_weight, op.params))]
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ def expert_roles(graph: OpGraph) -> dict[str, ExpertRole]:
         out: dict[str, ExpertRole] = {}
         for module, idx in by_module.items():
             first, last = graph.ops[idx[0]], graph.ops[idx[-1]]
-            experts = next(p.shape[0] for p in first.params if len(p.shape) == 3)
+            experts = next(p.shape[0] for p in first.params if is_expert_weight(p))
             unit = sum(graph.ops[i].param_numel for i in idx)
             for op in graph.ops[idx[0]:idx[-1] + 1]:
                 if op.module_path == module or op.module_path.startswith(module + "."):

@@ -40,7 +40,7 @@ from autoshard.cost_models.expert_parallel import (
 from autoshard.cost_models.memory import model_state_bytes, tensor_bytes
 from autoshard.cost_models.zero_impl import gathers_overlap, zero3_gather_s
 from autoshard.planner.context import PlanContext
-from autoshard.planner.contract import ExpertRole
+from autoshard.planner.contract import ExpertRole, is_expert_weight
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
 from autoshard.planner.plan import OpStrategy
 
@@ -123,7 +123,12 @@ def grad_partial_axes(strategy: OpStrategy) -> frozenset[str]:
 
 def _expert_shards(op: Op, ctx: PlanContext) -> int:
     """Ranks a grouped expert matmul's expert weights are split over: ep under expert parallelism, else 1."""
-    return ctx.ep if ctx.ep > 1 and any(len(p.shape) == 3 for p in op.params) else 1
+    return ctx.ep if ctx.ep > 1 and any(map(is_expert_weight, op.params)) else 1
+
+
+def _rank_numel(p, ctx: PlanContext) -> float:
+    """Elements of parameter `p` one rank holds of it before any sharding but expert parallelism's."""
+    return p.numel / ctx.ep if is_expert_weight(p) else p.numel
 
 
 def _param_dp(op: Op, ctx: PlanContext) -> tuple[int, bool]:
@@ -177,7 +182,7 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
         n_local = max(1, n // _deg(w, ctx, (OUT,)))
         k_local = max(1, k // _deg(w, ctx, (IN,)))
         ab = prec.act_bytes
-        experts = next((p.shape[0] for p in op.params if len(p.shape) == 3), 0)
+        experts = next((p.shape[0] for p in op.params if is_expert_weight(p)), 0)
         if experts:  # grouped expert matmul: one GEMM per local expert (cost_models/expert_parallel.py)
             g = experts // _expert_shards(op, ctx)
             rows = max(1, round(grouped_gemm_rows(m_local, g)))
@@ -232,7 +237,6 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
     `unit_numel`: parameters of the FSDP unit the op belongs to (its block); None: the op is its own unit."""
     prec, mesh = ctx.precision, ctx.mesh
     dp, outer = _param_dp(op, ctx)
-    ep = _expert_shards(op, ctx)
     p_b = g_b = o_b = 0.0
     tp_f = tp_b = dp_f = dp_b = dp_i = dp_s = dp_g = transient = 0.0
     comm: list[tuple[str, float]] = []
@@ -243,10 +247,9 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
         meta = next(p for p in op.params if p.name == pp.name)
         if not meta.owner:  # a tied parameter is held, synchronized and gathered by its owner op
             continue
-        numel = meta.numel
-        experts = ep if len(meta.shape) == 3 else 1  # this rank's experts only
-        local = numel / _deg(pp.storage, ctx, (OUT, IN)) / experts
-        at_compute = numel / _deg(pp.compute, ctx, (OUT, IN)) / experts
+        numel = _rank_numel(meta, ctx)  # this rank's experts only
+        local = numel / _deg(pp.storage, ctx, (OUT, IN))
+        at_compute = numel / _deg(pp.compute, ctx, (OUT, IN))
         p, g, o = model_state_bytes(local, prec, zero=st.zero, dp=dp)
         p_b, g_b, o_b = p_b + p, g_b + g, o_b + o
         gather_axes = tuple(a for a in mesh.tp_axes if pp.storage.get(a) != pp.compute.get(a))
@@ -339,8 +342,7 @@ def _grad_accumulation_s(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
         return 0.0
     prec = ctx.precision
     tp = _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1
-    ep = _expert_shards(op, ctx)
-    local = sum(p.numel / (ep if len(p.shape) == 3 else 1) for p in added) / max(1, tp)
+    local = sum(_rank_numel(p, ctx) for p in added) / max(1, tp)
     adds, owned = 1.0, len(added)
     per_element = prec.grad_bytes + 2 * prec.main_grad_bytes  # Megatron: a 16-bit gradient into main_grad
     if not ctx.fused_pointwise:
@@ -355,8 +357,7 @@ def _grad_accumulation_s(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
 def _owned_local_numel(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
     """Elements of the parameters `op` owns on one rank before data-parallel sharding (tensor-parallel shard)."""
     tp = _deg(st.params[0].storage, ctx, (OUT, IN)) if st.params else 1
-    ep = _expert_shards(op, ctx)
-    return sum(p.numel / (ep if len(p.shape) == 3 else 1) for p in op.params if p.owner) / max(1, tp)
+    return sum(_rank_numel(p, ctx) for p in op.params if p.owner) / max(1, tp)
 
 
 def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:

@@ -7,8 +7,8 @@ What runs (as torchtitan runs it: token dispatch and combine by all-to-all):
   E/ep experts), and routes the experts' forward through transformers' experts interface
   (`ALL_EXPERTS_FUNCTIONS`, registered as "autoshard_ep");
 - the router, attention and everything else stay whole on every rank: an ep rank is a data-parallel rank over
-  its own tokens there (the plan's data-parallel wrappers run with ep folded into dp and average those
-  gradients);
+  its own tokens there (ep ranks are ranks of dp; the plan's data-parallel wrappers average those gradients
+  over dp);
 - each experts call sorts this rank's (token, slot) pairs by the global expert they were routed to, exchanges
   the number of rows per (rank, local expert) with one all-to-all of E int64 counts, dispatches the rows to the
   ranks that hold their experts (`all_to_all_single_autograd`: its backward sends the gradients back), runs
@@ -20,7 +20,7 @@ Gradients: every rank takes the mean loss over its own tokens and the global los
 The backward of the combine all-to-all delivers to an expert the gradients of every rank's loss, so an expert
 weight receives the gradient of the *sum* of the ep ranks' losses; the correct one is 1/ep of that. The expert
 weights therefore enter the forward through an identity whose backward scales by 1/ep. Weights outside the
-experts get each rank's own gradient, and the data-parallel wrapper averages them over dp x ep; the expert
+experts get each rank's own gradient, and the data-parallel wrapper averages them over dp; the expert
 weights are averaged by the wrapper only over the ranks outside the ep group that hold the same experts.
 
 Models: transformers' MoE models whose experts class is decorated with `use_experts_implementation` (Mixtral,
