@@ -19,7 +19,7 @@ from autoshard.capture.ir import OpGraph
 from autoshard.errors import ConfigurationError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import pipeline_blocker, projection_head_slices, schedule_blocker
+from autoshard.planner.contract import pipeline_blocker, schedule_blocker
 from autoshard.planner.evaluate import evaluate, inflight_microbatches
 from autoshard.planner.explain import batch_label
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
@@ -27,7 +27,7 @@ from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.manual import megatron_assignment
 from autoshard.planner.plan import PipelineSpec, Prediction
 from autoshard.planner.stages import balanced_stage_layers
-from autoshard.planner.strategies import strategies_for
+from autoshard.planner.strategies import strategies_in
 from autoshard.planner.template import template_for
 
 __all__ = ["Baseline", "BASELINES", "compute_baselines"]
@@ -103,7 +103,7 @@ def _uniform(graph, cluster, global_batch, cap, zero: int) -> _Best:
     for b in _micro_batches(global_batch // n):
         assign = {}
         for op in tg.ops:
-            cands = [s for s in strategies_for(op, mesh, b, zero_options=(zero,)) if s.split == 1]
+            cands = [s for s in strategies_in(graph, op, mesh, b, zero_options=(zero,)) if s.split == 1]
             assign[op.name] = next(s for s in cands if not any(a != "dp" for a, _ in s.output.items))
         for rc in _recomputes(graph):
             ctx = _ctx(graph, cluster, mesh, b, global_batch // (n * b), rc)
@@ -201,9 +201,8 @@ def _tensor_family(graph, cluster, global_batch, cap, family: str) -> _Best:
 def _family_strategies(graph, mesh, b, names):
     tg, _ = template_for(graph, PipelineSpec())
     out = {}
-    slices = projection_head_slices(graph)
     for op in tg.ops:
-        cands = [s for s in strategies_for(op, mesh, b, zero_options=(0,), head_slices=slices.get(op.name, 0))
+        cands = [s for s in strategies_in(graph, op, mesh, b, zero_options=(0,))
                  if s.split == 1]
         if op.kind.value in ("linear", "conv"):
             cands = [s for s in cands if s.name in names] or [s for s in cands if s.name == "replicate"]

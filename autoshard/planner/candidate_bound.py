@@ -208,7 +208,7 @@ def edge_times(ctx: PlanContext, cache: dict):
     spmd = ctx.mesh.spmd_signature
 
     def edge_time(e, src, key) -> float:
-        memo = (key, e.meta, e.in_block and full, spmd, ctx.micro_batch, e.fanout, src)
+        memo = (key, e.meta, e.in_block and full, spmd, ctx.micro_batch, e.fanout, e.grad_fanout, src)
         hit = cache.get(memo)
         if hit is None:
             hit = cache[memo] = edge_time_s(e, src, key, ctx)

@@ -13,13 +13,13 @@ that does not (a plan file from elsewhere, an edited one).
   explicit description of one of autoshard's own test models; a model with two block lists (an encoder and
   a decoder) or none, whose list holds blocks that differ from the others (RWKV's first block has an extra
   LayerNorm, DeepSeek-V3's first layers are dense), or whose forward takes no `inputs_embeds`, is not pipelined.
-- Operators DTensor cannot run: a model whose graph has one (the grouped expert matmul `grouped_mm` of
-  mixture-of-experts layers in `transformers`; DTensor's sharding propagation runs its meta kernel, which
-  takes only bf16) trains on plain tensors, data parallel and sharded data parallel per operator: no
-  tensor-parallel mesh and no pipeline (whose stages compute on DTensors) is offered for it.
-- Expert parallelism (runtime/expert_parallel.py) runs on those plain tensors: the experts of every MoE layer
-  over ep consecutive ranks of the dp group, ep dividing dp and the experts per layer; not with context
-  parallelism.
+- Mixture-of-experts layers: the grouped expert matmul `grouped_mm` of `transformers` has no DTensor
+  sharding rule in fp32 (its meta kernel takes only bf16), so the experts module's forward always runs on
+  plain tensors: on a tensor-parallel mesh it takes this rank's tokens out of DTensor, replicated on the
+  tensor-parallel axes, and every op of the experts module is planned replicated there (`tp_replicated_ops`).
+  Expert parallelism (runtime/expert_parallel.py) spreads the experts of every MoE layer over ep consecutive
+  ranks of the dp group (at one tensor-parallel position), ep dividing dp and the experts per layer; not
+  with context parallelism. No pipeline is offered for a MoE model.
 - Convolutions are replicated on the tensor-parallel axes (the runtime has no channel-parallel convolution;
   planner/strategies.py offers only those strategies for them).
 - Schedules: 1F1B needs at least as many micro-batches as stages; interleaved 1F1B a number of
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.planner.cache import graph_cache
 
-__all__ = ["attention_kernel", "ATTENTION_KERNELS", "spmd_blocker", "is_expert_weight", "expert_ops", "ExpertRole",
-           "expert_roles",
+__all__ = ["attention_kernel", "ATTENTION_KERNELS", "is_expert_weight", "expert_ops", "ExpertRole",
+           "expert_roles", "tp_replicated_ops",
            "num_experts", "expert_parallel_degrees", "attention_head_counts", "kv_head_fraction", "projection_head_slices", "largest_head_divisor",
            "pipeline_blocker", "schedule_blocker", "OWN_PIPELINE_CLASSES", "PIPELINE_ENTRY"]
 
@@ -92,6 +92,23 @@ def expert_roles(graph: OpGraph) -> dict[str, ExpertRole]:
     return cache["expert_roles"]
 
 
+def tp_replicated_ops(graph: OpGraph) -> frozenset[str]:
+    """Ops the runtime runs replicated on the tensor-parallel axes: every op of a mixture-of-experts layer's
+    experts module (their forward runs on this rank's tokens as plain tensors, runtime/expert_parallel.py),
+    and the router, an op with parameters whose output the experts read (the graph holds transformers'
+    router module as one op, its softmax and top-k included: a column split would leave the top-k to DTensor,
+    which gathers the logits inside the module where no edge prices it)."""
+    cache = graph_cache(graph)
+    if "tp_replicated" not in cache:
+        modules = {r.module for r in expert_roles(graph).values()}
+        inside = tuple(f"{m}." for m in modules)
+        experts = {op.name for op in graph.ops if op.module_path in modules or op.module_path.startswith(inside)}
+        routers = {src for op in graph.ops if op.name in experts for src in op.inputs
+                   if src not in experts and src in graph._index and graph.op(src).params}
+        cache["tp_replicated"] = frozenset(experts | routers)
+    return cache["tp_replicated"]
+
+
 def num_experts(graph: OpGraph) -> int:
     """Experts per MoE layer (the gcd over layers that differ), 0 for a dense model."""
     counts = {r.experts for r in expert_roles(graph).values()}
@@ -102,15 +119,6 @@ def expert_parallel_degrees(graph: OpGraph, dp: int) -> tuple[int, ...]:
     """ep degrees the runtime runs on a dp group of `dp` ranks: > 1, dividing dp and the experts per layer."""
     experts = num_experts(graph)
     return tuple(e for e in range(2, dp + 1) if dp % e == 0 and experts and experts % e == 0)
-
-
-def spmd_blocker(graph: OpGraph) -> str | None:
-    """Why the model cannot compute on DTensors (tensor parallelism, pipeline stages), or None."""
-    experts = expert_ops(graph)
-    if experts:
-        return (f"its expert matmuls ({experts[0]} and {len(experts) - 1} more; grouped_mm) have no DTensor "
-                "sharding rule in fp32; it runs data parallel / sharded data parallel on plain tensors")
-    return None
 
 
 def _heads_and_head_dims(graph: OpGraph) -> tuple[set[int], set[int]]:
@@ -206,6 +214,10 @@ def largest_head_divisor(graph: OpGraph) -> int:
 
 def pipeline_blocker(graph: OpGraph) -> str | None:
     """Why the runtime cannot cut this model into pipeline stages, or None when it can."""
+    experts = expert_ops(graph)
+    if experts:
+        return (f"it has mixture-of-experts layers ({experts[0]} and {len(experts) - 1} more grouped expert "
+                "matmuls), which the runtime does not run in pipeline stages")
     if not graph.blocks:
         return "it has no list of repeated blocks to cut"
     if len(graph.blocks) > 1:

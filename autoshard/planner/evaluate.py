@@ -196,7 +196,7 @@ def _template_costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanCont
         edges[(e.src, e.dst, e.index)] = edge_cost(
             e.meta, assign[e.src].output, d_st.inputs[e.index],
             grad_partial_axes(d_st) if e.index == 0 else frozenset(), ctx,
-            regather=d_st.save_sharded_input and e.index == 0, share=1 / e.fanout)
+            regather=d_st.save_sharded_input and e.index == 0, **e.shares)
     outs = {name: edge_cost(graph.op(name).output_meta, assign[name].output, sink_layout(ctx), frozenset(), ctx)
             for name in tg.outputs}
     return op_costs, edges, outs

@@ -171,7 +171,7 @@ def _groups(items: list, key) -> tuple[list, list[int]]:
 def edge_time_s(e, src: Layout, key: tuple, ctx: PlanContext) -> float:
     """Seconds to bring template edge `e` from producer layout `src` to consumer key `key` (and its gradient
     back); under full recompute an edge inside a block is redistributed again in the recomputed forward."""
-    c = edge_cost(e.meta, src, key[0], key[1], ctx, regather=key[2], share=1 / e.fanout)
+    c = edge_cost(e.meta, src, key[0], key[1], ctx, regather=key[2], **e.shares)
     return c.time_s + (c.fwd_s if ctx.recompute == "full" and e.in_block else 0.0)
 
 

@@ -4,7 +4,7 @@
 residual stream are column-parallel, Linears that read a column-parallel result (attention heads, the MLP's
 activation) are row-parallel; attention splits heads; everything on the residual stream is replicated, or
 sequence-sharded with sequence parallelism; the token embedding is vocabulary-parallel. Strategies are picked
-from `strategies_for`, so a hand configuration is priced by exactly the functions the planner optimizes.
+from `strategies_in`, so a hand configuration is priced by exactly the functions the planner optimizes.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import functools
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.errors import ConfigurationError
 from autoshard.planner.cache import graph_cache
-from autoshard.planner.contract import projection_head_slices
 from autoshard.planner.layouts import FEAT, REPLICATE, SEQ, Layout, MeshSpec
 from autoshard.planner.plan import OpStrategy, PipelineSpec
-from autoshard.planner.strategies import fits, rebind, strategies_for, with_dp
+from autoshard.planner.strategies import fits, rebind, strategies_in, with_dp
 from autoshard.planner.template import template_for
 
 __all__ = ["megatron_assignment", "tp_origins", "even_stage_layers"]
@@ -63,9 +62,8 @@ def megatron_assignment(graph: OpGraph, mesh: MeshSpec, micro_batch: int, *, seq
     tp = mesh.degree("tp")
     tg, _ = template_for(graph, PipelineSpec())
     chosen: dict[str, OpStrategy] = {}
-    slices = projection_head_slices(graph)
     for op in tg.ops:
-        cands = strategies_for(op, mesh, micro_batch, zero_options=(zero,), head_slices=slices.get(op.name, 0))
+        cands = strategies_in(graph, op, mesh, micro_batch, zero_options=(zero,))
         cands = [c for c in cands if c.split == 1]
         st = _choose(graph, op, cands, origin, mesh, micro_batch, sequence_parallel and tp > 1)
         tied = next((chosen[o] for o in chosen if op.kind is OpKind.EMBEDDING and _shares_param(graph, o, op)),

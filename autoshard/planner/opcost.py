@@ -600,7 +600,8 @@ def _context_parallel_attention(op: Op, st: OpStrategy, ctx: PlanContext, fwd: f
 
 # -- edges -------------------------------------------------------------------------------------------------
 def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozenset[str],
-              ctx: PlanContext, *, regather: bool = False, share: float = 1.0) -> EdgeCost:
+              ctx: PlanContext, *, regather: bool = False, share: float = 1.0,
+              grad_share: float | None = None) -> EdgeCost:
     """Redistribute a tensor from its producer's layout `src` to its consumer's `dst`, and its gradient back.
     `regather`: the consumer keeps only the shard for backward (sequence parallel, 2D) and gathers it again
     there, so every forward all-gather happens once more in backward.
@@ -609,6 +610,9 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
     partial gradients before one reduction (q, k and v reading one norm output). A regathering consumer
     gathers inside its own recomputation and pays in full. Consumers wanting different layouts each pay
     their own redistribution in the runtime, which `share` then under-prices by at most the fan-out.
+    `grad_share` (default `share`): the same for the gradient's reduction, 1 / the consumers that may hand
+    back a partial sum (a consumer kept replicated on the tensor-parallel axes hands back a whole gradient,
+    and the others' partial sums are still reduced in full: `TemplateEdge.grad_fanout`).
 
     When several axes change, each collective moves the tensor as sharded at that moment: DTensor's greedy
     redistribution (`_redistribute.py`) walks the axes innermost first when the tensor is sharded anywhere,
@@ -637,12 +641,13 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
         if regather and kind == "all_gather":
             bwd += t
             comm.append((kind, nbytes))
-    for kind, axis, nbytes in _redistribution_steps(grad_from, grad_to, full, batch_on_dp, ctx):
-        bwd += ctx.redistribute_s(kind, nbytes, (axis,))
-        comm.append((kind, nbytes))
     if share != 1.0 and not regather:
-        return EdgeCost(fwd * share, bwd * share, tuple((k, b * share) for k, b in comm),
-                        tuple((k, b * share) for k, b in forward))
+        fwd, bwd = fwd * share, bwd * share
+        comm, forward = [(k, b * share) for k, b in comm], [(k, b * share) for k, b in forward]
+    grad_share = 1.0 if regather else share if grad_share is None else grad_share
+    for kind, axis, nbytes in _redistribution_steps(grad_from, grad_to, full, batch_on_dp, ctx):
+        bwd += grad_share * ctx.redistribute_s(kind, nbytes, (axis,))
+        comm.append((kind, grad_share * nbytes))
     return EdgeCost(fwd, bwd, tuple(comm), tuple(forward))
 
 

@@ -6,14 +6,14 @@ import math
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext
-from autoshard.planner.contract import attention_kernel, projection_head_slices
+from autoshard.planner.contract import attention_kernel
 from autoshard.planner.evaluate import op_sites, sink_layout
 from autoshard.planner.ilp import solver_name
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.opcost import edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.plan import OpPlan, OpStrategy, Plan
 from autoshard.planner.search import SearchResult, allowed, candidate_context, search
-from autoshard.planner.strategies import strategies_for
+from autoshard.planner.strategies import strategies_in
 from autoshard.planner.template import template_for
 
 __all__ = ["make_plan", "runner_ups", "plan_from_result"]
@@ -27,12 +27,12 @@ def _local_time(graph, tg, name, st, assign, ctx, firsts) -> float:
         if e.dst == name:
             t += edge_cost(e.meta, assign[e.src].output, st.inputs[e.index],
                            grad_partial_axes(st) if e.index == 0 else frozenset(), ctx,
-                           regather=st.save_sharded_input and e.index == 0, share=1 / e.fanout).time_s
+                           regather=st.save_sharded_input and e.index == 0, **e.shares).time_s
         elif e.src == name:
             dst = assign[e.dst]
             t += edge_cost(e.meta, st.output, dst.inputs[e.index],
                            grad_partial_axes(dst) if e.index == 0 else frozenset(), ctx,
-                           regather=dst.save_sharded_input and e.index == 0, share=1 / e.fanout).time_s
+                           regather=dst.save_sharded_input and e.index == 0, **e.shares).time_s
     if name in tg.outputs:
         t += edge_cost(op.output_meta, st.output, sink_layout(ctx), frozenset(), ctx).time_s
     return t
@@ -45,10 +45,9 @@ def runner_ups(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, 
     firsts = op_sites(graph)
     out = {}
     dp = ctx.mesh.degree("dp")
-    slices = projection_head_slices(graph)
     for op in tg.ops:
         chosen = assign[op.name]
-        cands = [s for s in strategies_for(op, ctx.mesh, ctx.micro_batch, head_slices=slices.get(op.name, 0))
+        cands = [s for s in strategies_in(graph, op, ctx.mesh, ctx.micro_batch)
                  if allowed(s, bool(op.params), space, dp) and s != chosen]
         if not cands:
             continue

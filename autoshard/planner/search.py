@@ -34,9 +34,7 @@ from autoshard.planner.contract import (
     kv_head_fraction,
     largest_head_divisor,
     pipeline_blocker,
-    projection_head_slices,
     schedule_blocker,
-    spmd_blocker,
 )
 from autoshard.planner.evaluate import (
     Evaluation,
@@ -51,7 +49,7 @@ from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.opcost import op_cost
 from autoshard.planner.plan import SCHEDULES, OpStrategy, PipelineSpec
 from autoshard.planner.stages import balanced_stage_layers
-from autoshard.planner.strategies import strategies_for
+from autoshard.planner.strategies import strategies_in
 from autoshard.planner.template import template_for
 
 __all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search", "parse_space", "allowed",
@@ -59,7 +57,6 @@ __all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search
 
 log = logging.getLogger(__name__)
 SPACE = ("dp", "zero", "tp1d", "tp2d", "tp3d", "pp", "cp", "ep")
-TP_FAMILIES = frozenset({"tp1d", "tp2d", "tp3d"})
 _FAMILY_OF = {"col": "tp1d", "row": "tp1d", "col+sp": "tp1d", "vocab": "tp1d", "2d": "tp2d", "3d-yz": "tp3d",
               "3d-zy": "tp3d"}
 
@@ -167,13 +164,12 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
     prec = default_precision(cluster)
     recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) or selective_keeps(graph) else [])
     max_zero = 3 if "zero" in space else 0
-    spmd = spmd_blocker(graph) is None
     heads = largest_head_divisor(graph)
-    cuttable = spmd and pipeline_blocker(graph) is None
+    cuttable = pipeline_blocker(graph) is None
     pps = [p for p in _divisors(n) if p == 1 or ("pp" in space and cuttable and p <= graph.num_layers)]
     found, pruned = [], 0
     for pp in pps:
-        for tp in _tp_meshes(gpn, heads, space if spmd else space - TP_FAMILIES):
+        for tp in _tp_meshes(gpn, heads, space):
             tdeg = math.prod(tp.values())
             if n % (pp * tdeg):
                 continue
@@ -182,7 +178,7 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                 continue
             mesh = MeshSpec.of(**({"pp": pp} if pp > 1 else {}), **({"dp": dp} if dp > 1 else {}), **tp)
             batch_shard = tp.get("tp_r", 1) * tp.get("tp_x", 1) * tp.get("tp_z", 1)
-            eps = (1, *expert_parallel_degrees(graph, dp)) if "ep" in space and cp == 1 and not tp else (1,)
+            eps = (1, *expert_parallel_degrees(graph, dp)) if "ep" in space and cp == 1 else (1,)
             if ep is not None:
                 eps = (ep,) if ep in eps else ()
             for b, ep in itertools.product(_micro_batches(global_batch, dp, batch_shard), eps):
@@ -237,12 +233,10 @@ def _strategies(graph: OpGraph, cand: Candidate, space, cache) -> dict[str, list
     tg, _ = template_for(graph, PipelineSpec())
     out = {}
     dp = cand.mesh.degree("dp")
-    slices = projection_head_slices(graph)
     for op in tg.ops:
         key = (op.name, cand.mesh.spmd_signature, cand.micro_batch)
         if key not in cache:
-            cache[key] = [s for s in strategies_for(op, cand.mesh, cand.micro_batch,
-                                                    head_slices=slices.get(op.name, 0))
+            cache[key] = [s for s in strategies_in(graph, op, cand.mesh, cand.micro_batch)
                           if allowed(s, bool(op.params), space, dp)]
         if not cache[key]:
             return None

@@ -23,12 +23,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from autoshard.capture.ir import Op, OpKind, TensorMeta
+from autoshard.capture.ir import Op, OpGraph, OpKind, TensorMeta
+from autoshard.planner.contract import projection_head_slices, tp_replicated_ops
 from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout, MeshSpec
 from autoshard.planner.layouts import layout as _lay
 from autoshard.planner.plan import OpStrategy, ParamPlacement
 
-__all__ = ["TPOption", "linear_tp_options", "layout_vocabulary", "strategies_for", "fits", "feat_dim", "seq_dim",
+__all__ = ["TPOption", "linear_tp_options", "layout_vocabulary", "strategies_for", "strategies_in", "fits", "feat_dim", "seq_dim",
            "PLANNED_KINDS", "ZERO_OPTIONS", "SPLIT_OPTIONS", "dp_options", "with_dp", "no_batch", "rebind", "same_strategy"]
 
 # Ops off the gradient path (inputs, masks) have no strategy: every rank computes them locally.
@@ -320,13 +321,25 @@ def _tp_replicated(st: OpStrategy) -> bool:
     return all(axis == "dp" for lay in layouts for axis, _ in lay.items)
 
 
+def strategies_in(graph: OpGraph, op: Op, mesh: MeshSpec, micro_batch: int, *,
+                  zero_options=ZERO_OPTIONS) -> list[OpStrategy]:
+    """`strategies_for` with what the runtime allows `op` of `graph` (contract.py): whole heads for a
+    projection, replicated on the tensor-parallel axes for an op of a mixture-of-experts layer's experts."""
+    return strategies_for(op, mesh, micro_batch, zero_options=zero_options,
+                          head_slices=projection_head_slices(graph).get(op.name, 0),
+                          tp_replicated=op.name in tp_replicated_ops(graph))
+
+
 def strategies_for(op: Op, mesh: MeshSpec, micro_batch: int, *, zero_options=ZERO_OPTIONS,
-                   head_slices: int = 0) -> list[OpStrategy]:
+                   head_slices: int = 0, tp_replicated: bool = False) -> list[OpStrategy]:
     """Every candidate strategy of `op` on `mesh`; empty for ops that are not planned (inputs, masks).
     `head_slices`: the number of head-sized slices of a projection's output (contract.projection_head_slices;
-    0 for none): the product of the degrees splitting its output features must divide it."""
+    0 for none): the product of the degrees splitting its output features must divide it. `tp_replicated`:
+    only the strategies replicated on every tensor-parallel axis."""
     if op.kind not in PLANNED_KINDS:
         return []
+    if tp_replicated:
+        return [st for st in strategies_for(op, mesh, micro_batch, zero_options=zero_options) if _tp_replicated(st)]
     if op.kind is OpKind.CONV and op.gemm is not None:
         # no channel-parallel convolution in the runtime: replicated on the tensor-parallel axes (contract.py)
         return [st for st in _linear_strategies(op, mesh, micro_batch, zero_options) if _tp_replicated(st)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from autoshard.capture.ir import Op, OpGraph, TensorMeta
 from autoshard.planner.cache import graph_cache
+from autoshard.planner.contract import tp_replicated_ops
 from autoshard.planner.plan import PipelineSpec
 from autoshard.planner.strategies import PLANNED_KINDS
 
@@ -63,6 +64,14 @@ class TemplateEdge:
     # all-reduces o_proj's output again, not down_proj's)
     in_block: bool
     fanout: int = 1  # planned consumer inputs reading the producer (edge_cost's `share` is 1 / fanout)
+    # of those, the ones that may hand back a partial gradient: all but ops the runtime keeps replicated on
+    # the tensor-parallel axes (contract.tp_replicated_ops), whose gradients come back whole (`grad_share`)
+    grad_fanout: int = 1
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """edge_cost's `share` and `grad_share` of this edge."""
+        return {"share": 1 / self.fanout, "grad_share": 1 / self.grad_fanout}
 
 
 @dataclass
@@ -111,8 +120,11 @@ def build_template(graph: OpGraph, stage_of_op: dict[str, int], num_stages: int)
     # of them reads it (runtime/tensor_parallel.py); a consumer reading views of it (rotary embedding's halves
     # of q) reads from that one redistribution: every edge prices the producer's output, shared by all inputs
     consumers: dict[str, int] = {}
-    for src, _, _, _ in all_edges:
+    partial_consumers: dict[str, int] = {}
+    replicated = tp_replicated_ops(graph)
+    for src, dst, _, _ in all_edges:
         consumers[src] = consumers.get(src, 0) + 1
+        partial_consumers[src] = partial_consumers.get(src, 0) + (dst not in replicated)
     for src, dst, i, _ in all_edges:
         key = (to_t[src], to_t[dst], i)
         e = edges.get(key)
@@ -121,7 +133,7 @@ def build_template(graph: OpGraph, stage_of_op: dict[str, int], num_stages: int)
                 and position[src] < last_keeper.get(graph.op(src).layer, -1)
             e = edges[key] = TemplateEdge(src=key[0], dst=key[1], index=i, meta=graph.op(src).output_meta,
                                           per_stage=[0] * num_stages, in_block=same_block,
-                                          fanout=consumers[src])
+                                          fanout=consumers[src], grad_fanout=max(1, partial_consumers[src]))
         e.per_stage[stage_of_op[dst]] += 1
     outputs = sorted({to_t[n] for n in graph.outputs})
     firsts = {group.op_names[0][0] for group in graph.blocks}

@@ -15,7 +15,9 @@
 A plan without tensor-parallel axes skips steps 2 and 3 and runs on plain tensors: its operator splitting
 (4) rewrites the Linears and FSDP2 (6) shards them on the dp mesh, no DTensor dispatch per op in between.
 An expert-parallel plan (plan.ep > 1) first keeps each rank's experts and routes them by all-to-all
-(expert_parallel.py); FSDP2 then runs the experts on the ranks holding the same ones.
+(expert_parallel.py); FSDP2 then runs the experts on the ranks holding the same ones. On a tensor-parallel
+mesh the experts of a mixture-of-experts model (any ep, 1 included) stay plain tensors, replicated on the
+tensor-parallel axes: their forward takes this rank's tokens out of DTensor and hands its output back.
 Pipelined plans go through pipeline.py, which applies steps 2-6 per stage.
 """
 
@@ -36,7 +38,7 @@ from autoshard.runtime.data_parallel import (
     apply_sharded_data_parallel,
 )
 from autoshard.runtime.dtensor_ext import register_dtensor_rules
-from autoshard.runtime.expert_parallel import apply_expert_parallel
+from autoshard.runtime.expert_parallel import apply_expert_parallel, expert_modules
 from autoshard.runtime.local_shards import choose_local_shards
 from autoshard.runtime.mesh import (
     build_device_mesh,
@@ -87,22 +89,28 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
                                   expert_zero=_expert_zero(plan))
         log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
         return model
-    if plan.ep > 1:
-        expert_parallel_meshes(plan.mesh, plan.ep)  # refuses tensor-parallel and pipeline axes, with the reason
     if plan.mesh.degree("cp") > 1:
         check_context_parallel_mesh(plan.mesh)  # refuses tensor-parallel axes with cp, with the reason
     if compute_dtype(precision) is not None and "dp" not in mesh.mesh_dim_names:  # FSDP2 casts the parameters:
         mesh = build_device_mesh(plan.mesh, device_type=mesh.device_type, unit_dp=True)  # give it a dp dim
+    experts = None
+    if plan.ep > 1 or expert_modules(model):  # the experts run on this rank's tokens, replicated on tp (and
+        # over ep of the dp ranks): plain tensors inside, no DTensor grouped matmul (expert_parallel.py)
+        group, ep_rank, experts, whole = expert_parallel_meshes(plan.mesh, plan.ep, device_type=mesh.device_type)
+        apply_expert_parallel(model, group if plan.ep > 1 else None, plan.ep, ep_rank, spmd=True,
+                              checkpoint_mesh=whole if plan.ep > 1 else None)
+        specs = _without_experts(model, specs)
     state = RuntimeState(plan=plan, mesh=mesh)
     model = make_parallel(model, state)  # 1
-    distribute_parameters(model, specs, mesh)  # 2: storage placements ...
+    distribute_parameters(model, specs, mesh, plain=_expert_params(model))  # 2: storage placements ...
     runtimes = install_module_runtimes(model, specs, mesh, state)  # ... and redistribution around module calls
     _statistics_parallel_norms(specs, runtimes)  # 3
     apply_operator_splitting(model, specs, runtimes, mesh)  # 4
     if example_inputs is not None:  # 4b: the model's own code on local shards if the plan and the code allow
         choose_local_shards(model, state, specs, example_inputs)
     apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
-    apply_sharded_data_parallel(model, specs, mesh, precision=precision)  # 6
+    apply_sharded_data_parallel(model, specs, mesh, precision=precision, expert_meshes=experts,  # 6
+                                expert_zero=_expert_zero(plan))
     log.info("applied plan %s on mesh %s: %d module ops", plan.model, plan.mesh, len(specs))
     return model
 
@@ -115,6 +123,19 @@ def _expert_zero(plan: Plan) -> dict[str, int]:
         if p.strategy.params:
             out[p.module] = max(out.get(p.module, 0), p.strategy.zero)
     return out
+
+
+def _without_experts(model: nn.Module, specs: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
+    """`specs` without the modules inside experts modules (their activation runs inside the experts' own
+    forward on local tensors)."""
+    paths = [path for path, _ in expert_modules(model)]
+    inside = tuple(f"{path}." for path in paths)
+    return {p: s for p, s in specs.items() if p not in paths and not p.startswith(inside)} if paths else specs
+
+
+def _expert_params(model: nn.Module) -> set[int]:
+    """ids of the experts modules' own parameters, which stay plain tensors on a tensor-parallel mesh."""
+    return {id(p) for _, m in expert_modules(model) for p in m.parameters(recurse=False)}
 
 
 def materializes_scores(plan: Plan) -> bool:

@@ -197,13 +197,19 @@ def _unit_dp(mesh: DeviceMesh) -> bool:
 
 
 def apply_sharded_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, *,
-                                precision: Precision = FP32) -> None:
+                                precision: Precision = FP32, expert_meshes: tuple | None = None,
+                                expert_zero: dict[str, int] | None = None) -> None:
     """fully_shard every planned module per its zero level, then the root (see the module docstring), each with
-    the precision's mixed-precision policy (precision.py). Without a dp axis the caller autocasts instead."""
+    the precision's mixed-precision policy (precision.py). Without a dp axis the caller autocasts instead.
+    The experts modules of a mixture-of-experts model hold plain tensors (apply.py): each is a unit of plain
+    FSDP2 first, on the ranks holding the same experts at its tensor-parallel position (`expert_meshes`, as
+    in `apply_plain_data_parallel`), summing the exact global gradients like every other unit."""
     if "dp" not in mesh.mesh_dim_names:
         _reduce_grads_to_param_placement(model)
         return
     mp, unit = fsdp_policy(precision), _unit_dp(mesh)
+    if expert_meshes is not None:
+        specs = _shard_experts(model, specs, mesh, expert_meshes, expert_zero or {}, mp)
     for modules, zero in _groups(model, specs):
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, dp_mesh_dims=_dims(zero, unit),
                     reshard_after_forward=zero == 3, mp_policy=mp,

@@ -37,6 +37,7 @@ import collections
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoshard.errors import RuntimeSetupError
 
@@ -122,11 +123,17 @@ def _local_param(p: torch.Tensor, lo: int, hi: int) -> nn.Parameter:
     return nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
 
 
-def apply_expert_parallel(model: nn.Module, group, ep: int, ep_rank: int, *, checkpoint_mesh=None) -> None:
+def apply_expert_parallel(model: nn.Module, group, ep: int, ep_rank: int, *, checkpoint_mesh=None,
+                          spmd: bool = False) -> None:
     """Split `model`'s experts over `group` (ep ranks, this one `ep_rank`), in place: this rank keeps experts
     [ep_rank·E/ep, (ep_rank+1)·E/ep) of every experts module, and the experts' forward dispatches tokens to
     the ranks that hold their experts. `checkpoint_mesh`: the (edp, ep) mesh checkpoints describe all the
-    experts on (runtime/checkpoint.py), kept on each experts module."""
+    experts on (runtime/checkpoint.py), kept on each experts module. `spmd`: the model runs on DTensors
+    (a tensor-parallel plan): the experts take their inputs as this rank's tokens, replicated on the
+    tensor-parallel axes, and hand back a DTensor laid out the same; gradients are exact global ones there
+    (parallel_module._to_local), so the expert weights' are not scaled by 1/ep. ep=1 (group None) runs the
+    experts locally without any collective: how a tensor-parallel plan without expert parallelism keeps its
+    grouped matmuls off DTensor."""
     if ep < 1 or not 0 <= ep_rank < ep:
         raise RuntimeSetupError(f"expert parallel: ep rank {ep_rank} is not one of {ep} ranks; pass 0 <= ep_rank < ep")
     why = expert_parallel_blocker(model, ep)
@@ -142,6 +149,7 @@ def apply_expert_parallel(model: nn.Module, group, ep: int, ep_rank: int, *, che
             if p is not None and p.shape[0] == experts:
                 setattr(m, name, _local_param(p, lo, hi))
         m._autoshard_ep = (group, ep, ep_rank, experts)
+        m._autoshard_ep_spmd = spmd
         m._autoshard_rows = collections.deque(maxlen=_ROUTING_CALLS)  # rows this rank's experts received, per call
         m._autoshard_ep_mesh = checkpoint_mesh
     configs = {id(c): c for c in [getattr(model, "config", None), *(m.config for m in found)] if c is not None}
@@ -166,7 +174,7 @@ def routing_imbalance(model: nn.Module) -> float | None:
     ratios = []
     for module in model.modules():
         rows = getattr(module, "_autoshard_rows", None)
-        if rows is None:
+        if rows is None or module._autoshard_ep[1] == 1:
             continue
         group, ep = module._autoshard_ep[0], module._autoshard_ep[1]
         mine = torch.tensor(list(rows), dtype=torch.float64)
@@ -206,13 +214,25 @@ def _ep_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
                         top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts-interface signature: this rank's (T, H) tokens, their (T, k) global expert ids
     and routing weights; returns (T, H), the weighted sum of the k experts' outputs."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
     state = getattr(self, "_autoshard_ep", None)
     if state is None:
         raise RuntimeSetupError(f"{type(self).__name__} runs expert-parallel experts but was not set up for it; "
                                 "apply the plan with apply_plan / autoparallel")
-    group, ep, _, experts = state
+    if isinstance(hidden_states, DTensor):  # a tensor-parallel plan in SPMD mode: this rank's tokens, whole
+        mesh = hidden_states.device_mesh
+        placements = tuple(Shard(0) if name == "dp" else Replicate() for name in mesh.mesh_dim_names)
+        local = [x.redistribute(mesh, placements).to_local() if isinstance(x, DTensor) else x
+                 for x in (hidden_states, top_k_index, top_k_weights)]
+        out = _experts_on_local_tokens(self, *local)
+        return DTensor.from_local(out, mesh, placements, run_check=False)
+    return _experts_on_local_tokens(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _experts_on_local_tokens(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    group, ep, _, experts = self._autoshard_ep
     local = experts // ep
     tokens, k = top_k_index.shape
     device = hidden_states.device
@@ -222,17 +242,18 @@ def _ep_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     order = torch.sort(expert_ids, stable=True).indices
     send = torch.bincount(expert_ids, minlength=experts).reshape(ep, local)
     # 2. how many rows every rank sends to each of this rank's experts
-    recv = _exchange_counts(send, group).reshape(ep, local)
+    recv = _exchange_counts(send, group).reshape(ep, local) if ep > 1 else send
     send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-    self._autoshard_rows.append(sum(recv_splits))  # for `routing_imbalance`
+    if ep > 1:
+        self._autoshard_rows.append(sum(recv_splits))  # for `routing_imbalance`
     # 3. dispatch
     rows = hidden_states[order // k]
-    received = all_to_all_single_autograd(rows, recv_splits, send_splits, group)
+    received = all_to_all_single_autograd(rows, recv_splits, send_splits, group) if ep > 1 else rows
     # 4. received by source rank, then local expert -> by local expert (stable: source order kept)
     local_ids = torch.arange(local, device=device).repeat(ep).repeat_interleave(recv.reshape(-1).to(device))
     by_expert = torch.sort(local_ids, stable=True).indices
     inputs = received[by_expert]
-    scale = 1.0 / ep
+    scale = 1.0 if self._autoshard_ep_spmd else 1.0 / ep
     up_name = _up_name(self)
     up_w = _ScaleGrad.apply(getattr(self, up_name), scale)
     down_w = _ScaleGrad.apply(self.down_proj, scale)
@@ -249,7 +270,7 @@ def _ep_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
         out = self.post_expert_norm(out)
     # 5. back to source-rank order, combine, undo the sort, weight and sum the k slots
     out = out[_inverse(by_expert)]
-    combined = all_to_all_single_autograd(out.contiguous(), send_splits, recv_splits, group)
+    combined = all_to_all_single_autograd(out.contiguous(), send_splits, recv_splits, group) if ep > 1 else out
     combined = combined[_inverse(order)]
     weighted = combined * top_k_weights.reshape(-1, 1)
     return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -135,21 +135,25 @@ def context_parallel_group(spec: MeshSpec, *, device_type: str = "cpu"):
 def expert_parallel_meshes(spec: MeshSpec, ep: int, *, device_type: str = "cpu"):
     """(ep process group, this rank's index in it, (shard mesh, replicate mesh) of the ranks holding the same
     experts, the (edp, ep) mesh) for expert parallelism over ep consecutive dp ranks
-    (cost_models/expert_parallel.py): the dp ranks as an (edp, ep, edp_shard) mesh, edp = dp / ep. The expert
-    weights' FSDP2 runs on `mesh["edp"]` (ZeRO 1-3) or on the HSDP mesh (edp replicated, a shard dim of one
-    rank: ZeRO-0); checkpoints describe all experts on the (edp, ep) mesh. Call on every rank."""
-    if spec.tp_axes or spec.degree("pp") > 1 or spec.degree("cp") > 1:
-        raise RuntimeSetupError(f"mesh {spec}: the runtime runs expert parallelism with data parallel and ZeRO "
-                                "only (no tensor-parallel, pipeline or context-parallel axis); re-plan with ep=1 "
-                                "or without those axes")
+    (cost_models/expert_parallel.py): the dp ranks as an (edp, ep, edp_shard) mesh, edp = dp / ep, and with
+    tensor-parallel axes one such mesh per tensor-parallel position (the experts run replicated on those axes:
+    the ep group of a rank is the ranks at its tensor-parallel position in ep consecutive dp replicas). The
+    expert weights' FSDP2 runs on `mesh["edp"]` (ZeRO 1-3) or on the HSDP mesh (edp replicated, a shard dim
+    of one rank: ZeRO-0); checkpoints describe all experts on the (edp, ep) mesh. ep=1: the same meshes with
+    an ep group of one rank. Call on every rank."""
+    if spec.degree("pp") > 1 or spec.degree("cp") > 1:
+        raise RuntimeSetupError(f"mesh {spec}: the runtime runs mixture-of-experts layers without pipeline and "
+                                "context-parallel axes; re-plan without pp / cp")
     dp = spec.degree("dp")
     if ep < 1 or dp % ep:
         raise RuntimeSetupError(f"ep={ep} does not divide the plan's dp degree {dp}; re-plan")
-    shape = (dp // ep, ep, 1)
-    key = (device_type, ("edp", "ep", "edp_shard"), shape)
+    tp = spec.tp_degree
+    shape = (dp // ep, ep, 1, tp)
+    names = ("edp", "ep", "edp_shard", "ep_tp")
+    key = (device_type, names, shape)
     cached = _MESHES.get(key)
     if cached is None or cached[1] is not dist.group.WORLD:
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep", "edp_shard"))
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         cached = _MESHES[key] = (mesh, dist.group.WORLD)
     mesh = cached[0]
     return (mesh.get_group("ep"), mesh.get_local_rank("ep"), (mesh["edp"], mesh[("edp", "edp_shard")]),

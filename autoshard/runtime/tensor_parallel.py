@@ -105,13 +105,15 @@ def _storage_of(specs: dict[str, ModuleSpec], model: nn.Module, mesh: DeviceMesh
     return storage
 
 
-def distribute_parameters(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh) -> None:
-    """Replace every parameter by a DTensor with its storage placement (tied parameters stay tied)."""
+def distribute_parameters(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, *,
+                          plain: set[int] = frozenset()) -> None:
+    """Replace every parameter by a DTensor with its storage placement (tied parameters stay tied), except
+    those whose id is in `plain` (expert weights, which the experts' forward uses on local tensors)."""
     names = mesh.mesh_dim_names
     storage = _storage_of(specs, model, mesh)
     for pid, holders in param_owners(model).items():
         param = holders[0][0]._parameters[holders[0][1]]
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) or pid in plain:
             continue
         placements = storage.get(pid, (tuple(Replicate() for _ in names), ""))[0]
         # src_data_rank=0: rank 0's values win, so ranks that initialized differently still agree

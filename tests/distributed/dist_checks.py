@@ -68,7 +68,7 @@ def all_experts(module: nn.Module, t: torch.Tensor | None) -> torch.Tensor | Non
     """`t` (a parameter of `module`, its gradient or optimizer state) with every rank's experts when `module`
     is an expert-parallel experts module (gathered over the ep group); else `t`."""
     ep = getattr(module, "_autoshard_ep", None)
-    if ep is None or t is None or t.dim() == 0:
+    if ep is None or ep[1] == 1 or t is None or t.dim() == 0:
         return t
     parts = [torch.empty_like(t) for _ in range(ep[1])]
     dist.all_gather(parts, t.contiguous(), group=ep[0])

@@ -38,6 +38,8 @@ CASES = {
     "mixtral-dp4-ep2-zero3": (4, 4, 2, {"zero": 3}),
     "mixtral-dp4-ep2-full-recompute": (4, 4, 2, {"recompute": "full"}),
     "mixtral-ep2-planner": (2, 2, 2, {"planner": True}),
+    # Megatron 1D tensor parallelism around the experts, which run replicated on tp (estimate --tp 2 --ep 2)
+    "mixtral-dp2-ep2-tp2": (4, 2, 2, {"tp": 2}),
 }
 
 
@@ -61,7 +63,13 @@ def _world_results(world: int) -> dict[str, dict]:
             continue
         options = dict(options)
         recompute = options.pop("recompute", "none")
-        if options.pop("planner", False):
+        if "tp" in options:
+            from autoshard.planner.estimate import HandConfig, estimate
+
+            plan, _ = estimate(graph, cluster, HandConfig(global_batch=BATCH, micro_batch=1, dp=dp, ep=ep,
+                                                          **options))
+            assert plan.ep == ep and plan.mesh.degree("tp") == options["tp"]
+        elif options.pop("planner", False):
             from autoshard.planner.planning import make_plan
 
             plan, _ = make_plan(graph, cluster, global_batch=BATCH, space=frozenset({"dp", "zero", "ep"}), ep=ep)

@@ -77,9 +77,7 @@ def _asked(arch: str, **degrees):
 
 
 def _runnable_tp(arch: str) -> str | None:
-    from autoshard.planner.contract import spmd_blocker
-
-    return spmd_blocker(_graph(arch)) or ("no tensor-parallel convolution" if arch == "cnn" else None)
+    return "no tensor-parallel convolution" if arch == "cnn" else None
 
 
 def _pipeline_blocker(arch: str) -> str | None:
