@@ -237,8 +237,8 @@ def context_parallel_degrees(model, graph, cluster, space: frozenset[str]) -> li
 
 def _best_plan(model, graph, cluster, *, global_batch, space, cap_bytes, time_limit_s, progress, attention):
     """(plan, search) of the fastest plan over `space`: the search on the whole graph, and with "cp" in the
-    space one search per context-parallel degree on that degree's rank-local graph (data parallel and ZeRO
-    around it: what the runtime runs with cp), and for a mixture-of-experts model with "ep" in the space one
+    space one search per context-parallel degree on that degree's rank-local graph (data parallel, ZeRO and
+    tensor parallelism around it, no pipeline: what the runtime runs with cp), and for a mixture-of-experts model with "ep" in the space one
     search per expert-parallel degree. The SearchResult's `context_parallel` and `expert_parallel` say how CP
     and EP compared with the best plan without them."""
     from autoshard.errors import InfeasiblePlanError
@@ -270,7 +270,7 @@ def _best_plan(model, graph, cluster, *, global_batch, space, cap_bytes, time_li
             progress(f"context parallel {cp}: capturing the rank-local graph ({graph.seq_len // cp} tokens)")
         local = load_graph(model, seq=graph.seq_len // cp, attention=attention)
         try:
-            p, r = make_plan(local, cluster, global_batch=global_batch * cp, space=space & {"dp", "zero"},
+            p, r = make_plan(local, cluster, global_batch=global_batch * cp, space=space - {"cp", "ep", "pp"},
                              cap_bytes=cap_bytes, time_limit_s=time_limit_s, progress=progress, cp=cp)
         except InfeasiblePlanError:
             tried[cp] = None

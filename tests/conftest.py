@@ -16,3 +16,15 @@ def gpt3_graph():
     from autoshard.models import load_model
 
     return capture_model(load_model("gpt3-175b"))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of one rank (this process) for the test's duration."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -6,18 +6,8 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from autoshard.runtime import profile as prof
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_timed_is_the_mean_of_bimodal_calls_because_a_step_adds_its_operations_times(one_rank, monkeypatch):

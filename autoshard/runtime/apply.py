@@ -42,7 +42,6 @@ from autoshard.runtime.expert_parallel import apply_expert_parallel, expert_modu
 from autoshard.runtime.local_shards import choose_local_shards
 from autoshard.runtime.mesh import (
     build_device_mesh,
-    check_context_parallel_mesh,
     context_parallel_group,
     expert_parallel_meshes,
 )
@@ -89,10 +88,13 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
                                   expert_zero=_expert_zero(plan))
         log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
         return model
-    if plan.mesh.degree("cp") > 1:
-        check_context_parallel_mesh(plan.mesh)  # refuses tensor-parallel axes with cp, with the reason
     if compute_dtype(precision) is not None and "dp" not in mesh.mesh_dim_names:  # FSDP2 casts the parameters:
         mesh = build_device_mesh(plan.mesh, device_type=mesh.device_type, unit_dp=True)  # give it a dp dim
+    state = RuntimeState(plan=plan, mesh=mesh)
+    if plan.mesh.degree("cp") > 1:  # the mesh's dp dim is dp x cp; attention gathers over the cp group
+        group, state.cp_rank = context_parallel_group(plan.mesh, device_type=mesh.device_type)
+        state.cp = plan.mesh.degree("cp")
+        apply_context_parallel(model, group, state.cp, state.cp_rank)
     experts = None
     if plan.ep > 1 or expert_modules(model):  # the experts run on this rank's tokens, replicated on tp (and
         # over ep of the dp ranks): plain tensors inside, no DTensor grouped matmul (expert_parallel.py)
@@ -100,7 +102,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
         apply_expert_parallel(model, group if plan.ep > 1 else None, plan.ep, ep_rank, spmd=True,
                               checkpoint_mesh=whole if plan.ep > 1 else None)
         specs = _without_experts(model, specs)
-    state = RuntimeState(plan=plan, mesh=mesh)
     model = make_parallel(model, state)  # 1
     distribute_parameters(model, specs, mesh, plain=_expert_params(model))  # 2: storage placements ...
     runtimes = install_module_runtimes(model, specs, mesh, state)  # ... and redistribution around module calls

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoshard.errors import RuntimeSetupError
 
@@ -67,6 +68,8 @@ def _cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if state is None:
         raise RuntimeSetupError(f"{type(module).__name__} runs context-parallel attention but was not set up for "
                                 "it; apply the plan with apply_plan / autoparallel")
+    if isinstance(query, DTensor):  # a tensor-parallel plan in SPMD mode: this rank's tokens and heads
+        return _cp_attention_on_dtensors(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     group, cp, rank = state
     if attention_mask is not None:
         raise RuntimeSetupError("context parallelism runs causal attention without a padding mask; pass no "
@@ -94,6 +97,24 @@ def _cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                                                    attn_mask=_lower_right(c, end),
                                                    dropout_p=dropout if module.training else 0.0, scale=scaling))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _cp_attention_on_dtensors(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """`_cp_attention` on (B, heads, L, d) DTensors: on the local tensors of this rank's samples, tokens and
+    heads (a tensor-parallel axis shards the heads, or replicates them), the output a DTensor laid out as the
+    query was, with the heads dim moved to 2. A mesh dim sharding the sequence (dim 2) is gathered first:
+    the cp ranks' tokens are the only split of the sequence attention can take."""
+    mesh = query.device_mesh
+    placements = tuple(Replicate() if isinstance(p, Shard) and p.dim in (2, 3) or p.is_partial() else p
+                       for p in query.placements)
+    local = [x.redistribute(mesh, placements).to_local() if isinstance(x, DTensor) else x
+             for x in (query, key, value)]
+    if attention_mask is not None:
+        raise RuntimeSetupError("context parallelism runs causal attention without a padding mask; pass no "
+                                "attention_mask (pack sequences to full length)")
+    out, _ = _cp_attention(module, *local, None, dropout, scaling, **kwargs)
+    out_placements = tuple(Shard(2) if isinstance(p, Shard) and p.dim == 1 else p for p in placements)
+    return DTensor.from_local(out, mesh, out_placements, run_check=False), None
 
 
 def _lower_right(queries: int, keys: int):

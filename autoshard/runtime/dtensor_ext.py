@@ -81,6 +81,30 @@ def register_dtensor_rules() -> None:
                      (aten.fill_.Tensor, _fill_rule)):
         if op not in known:
             register_sharding(op)(rule)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _VIEWS:
+        handlers.setdefault(op, _view_of_contiguous_local)
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _view_of_contiguous_local(op_call, args, kwargs):
+    """`view` / `_unsafe_view` of a DTensor whose global strides say contiguous but whose local tensor is not:
+    the local view would fail (or read the wrong elements), so it runs on a contiguous copy of the local
+    tensor. Where a forward reshape meets this, SPMDMode fixes it (`_local_laid_out_as_global`); autograd's
+    backward views (UnsafeViewBackward of a matmul's output reshape) come here: a gradient DTensor made by
+    a transposed kernel carries its output's contiguous global strides. Runs below autograd (a dispatch
+    handler), so the copy needs no gradient of its own; any other call goes DTensor's own way."""
+    x = args[0]
+    if isinstance(x, DTensor) and not x._local_tensor.is_contiguous() and x.is_contiguous():
+        x = DTensor(x._local_tensor.contiguous(), x._spec, requires_grad=x.requires_grad)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op_call)
+    try:
+        return op_call(x, *args[1:], **(kwargs or {}))
+    finally:
+        handlers[op_call] = handler
 
 
 def _align_mask(mask, query: DTensor):

@@ -113,21 +113,22 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str = "cpu", unit_dp: bool
 
 
 def check_context_parallel_mesh(spec: MeshSpec) -> None:
-    if spec.tp_axes or spec.degree("pp") > 1:
-        raise RuntimeSetupError(f"mesh {spec}: the runtime runs context parallelism with data parallel and ZeRO "
-                                "only for now (no tensor-parallel or pipeline axis); re-plan without cp or "
-                                "without tp / pp")
+    if spec.degree("pp") > 1:
+        raise RuntimeSetupError(f"mesh {spec}: the runtime runs context parallelism without pipeline stages; "
+                                "re-plan without cp or without pp")
 
 
 def context_parallel_group(spec: MeshSpec, *, device_type: str = "cpu"):
     """(process group, this rank's index in it) of this rank's cp group on a mesh with a cp axis: the ranks
-    of one dp replica, cp just inside dp (planner/layouts.py). Call on every rank."""
+    at its tensor-parallel position in one dp replica, cp just inside dp and outside the tensor-parallel
+    axes (planner/layouts.py). Call on every rank."""
     check_context_parallel_mesh(spec)
-    shape = (spec.degree("dp"), spec.degree("cp"))
-    key = (device_type, ("dp", "cp"), shape)
+    shape = (spec.degree("dp"), spec.degree("cp"), spec.tp_degree)
+    names = ("dp", "cp", "cp_tp")
+    key = (device_type, names, shape)
     cached = _MESHES.get(key)
     if cached is None or cached[1] is not dist.group.WORLD:
-        cached = _MESHES[key] = (init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp")), dist.group.WORLD)
+        cached = _MESHES[key] = (init_device_mesh(device_type, shape, mesh_dim_names=names), dist.group.WORLD)
     mesh = cached[0]
     return mesh.get_group("cp"), mesh.get_local_rank("cp")
 

@@ -123,11 +123,11 @@ class ParallelModule:
         # no key/value cache: it would hold DTensors between steps, and a recomputed block (activation
         # checkpointing) would append its keys and values to it a second time
         with training_outputs(self):
+            if state.cp > 1 and "position_ids" not in kwargs and args and isinstance(args[0], torch.Tensor):
+                ids = args[0]  # this rank's tokens (shard_inputs): where they sit in the whole sequence
+                pos = head_tail_positions(ids.shape[1] * state.cp, state.cp, state.cp_rank, device=ids.device)
+                kwargs = {**kwargs, "position_ids": pos.unsqueeze(0).expand(ids.shape[0], -1)}
             if not state.spmd:  # data parallel only: FSDP2 on ordinary tensors, inputs and outputs as they are
-                if state.cp > 1 and "position_ids" not in kwargs and args and isinstance(args[0], torch.Tensor):
-                    ids = args[0]  # this rank's tokens (shard_inputs): where they sit in the whole sequence
-                    pos = head_tail_positions(ids.shape[1] * state.cp, state.cp, state.cp_rank, device=ids.device)
-                    kwargs = {**kwargs, "position_ids": pos.unsqueeze(0).expand(ids.shape[0], -1)}
                 return super().forward(*args, **kwargs)  # type: ignore[misc]
             return self._spmd_forward(state, args, kwargs)
 

@@ -35,6 +35,9 @@ CASES = {
     "qwen2-cp2-zero3": (2, "qwen2", 1, 2, {"zero": 3}),
     "llama-dp2-cp2": (4, "llama", 2, 2, {}),
     "llama-cp2-planner": (2, "llama", 1, 2, {"planner": True}),
+    # Megatron 1D tensor parallelism inside each cp rank (estimate --cp 2 --tp 2): attention on its heads
+    "llama-cp2-tp2": (4, "llama", 1, 2, {"tp": 2}),
+    "qwen2-dp2-cp2-tp2-sp": (8, "qwen2", 2, 2, {"tp": 2, "sequence_parallel": True}),
 }
 
 
@@ -65,7 +68,12 @@ def _world_results(world: int) -> dict[str, dict]:
         local = _graph(model, SEQ // cp)
         options = dict(options)
         recompute = options.pop("recompute", "none")
-        if options.pop("planner", False):
+        if "tp" in options:
+            from autoshard.planner.estimate import HandConfig, estimate
+
+            plan, _ = estimate(local, cluster, HandConfig(global_batch=BATCH, micro_batch=1, dp=dp, cp=cp,
+                                                          recompute=recompute, **options))
+        elif options.pop("planner", False):
             plan = _planner_plan(model, cluster, cp)
         else:
             plan = make_cp_plan(_graph(model, SEQ), local, dp=dp, cp=cp, family="replicate", global_batch=BATCH,
