@@ -6,7 +6,10 @@ Tiny GPT-2 (2 layers, hidden 64, tied LM head) trained two AdamW steps, then:
     to the same path failed on rank 1 mid-write;
 (c) saved under context parallel 2 with ZeRO-3 on 2 ranks, loaded under dp 2 x cp 2 on 4 ranks (issue 16);
 (d) a tiny Mixtral saved under expert parallel 2 over dp 4 with ZeRO-3 on 4 ranks (each expert's weights in
-    two FSDP shards), loaded under ep 2 = dp 2 and under plain data parallelism (no EP) on 2 ranks.
+    two FSDP shards), loaded under ep 2 = dp 2 and under plain data parallelism (no EP) on 2 ranks, and under
+    dp 2 x ep 2 x tp 2 on 4 ranks (the experts replicated on tp);
+(e) the same Mixtral saved under dp 2 x ep 2 x tp 2 (every tp rank holds its ep block: saved once), loaded
+    under ep 2 = dp 2 on 2 ranks.
 The loading runs build the model with other weights, so only the checkpoint can make them equal. Three
 worlds (4, 2, then 4 ranks) run in sequence; the single-process tests below need no process group.
 """
@@ -54,6 +57,16 @@ def _moe_graph():
     return capture(build("mixtral"), (x,))
 
 
+def _ep_tp_plan():
+    """dp 2 x ep 2 x tp 2 as `estimate --dp 2 --ep 2 --tp 2` writes it."""
+    from autoshard.hardware_profiles.cluster import ClusterSpec
+    from autoshard.planner.estimate import HandConfig, estimate
+
+    plan, _ = estimate(_moe_graph(), ClusterSpec.parse("1x4xcpu"),
+                       HandConfig(global_batch=BATCH, micro_batch=1, dp=2, ep=2, tp=2))
+    return plan
+
+
 def _plan(family: str, zero: int = 0, **degrees: int):
     return make_plan(_graph(), MeshSpec.of(**degrees), family, global_batch=BATCH, zero=zero)
 
@@ -74,13 +87,18 @@ def _runs(tmp: str) -> dict:
     d_save = {**moe, "check": "save", "plan": make_ep_plan(_moe_graph(), dp=4, ep=2, global_batch=BATCH, zero=3)}
     d_load_ep = {**moe, "check": "load", "plan": make_ep_plan(_moe_graph(), dp=2, ep=2, global_batch=BATCH)}
     d_load_dp = {**moe, "check": "load", "plan": make_ep_plan(_moe_graph(), dp=2, ep=1, global_batch=BATCH)}
-    (a_saved, d_saved), *_ = run_world(run_cases, 4, [a_save, d_save], timeout_s=300)
-    (a_loaded, b_interrupted, c_saved, d_loaded_ep, d_loaded_dp), *others = run_world(
-        run_cases, 2, [a_load, b_save, c_save, d_load_ep, d_load_dp], timeout_s=300)
-    (b_loaded, c_loaded), *_ = run_world(run_cases, 4, [b_load, c_load], timeout_s=300)
+    d_load_tp = {**moe, "check": "load", "plan": _ep_tp_plan()}
+    ep2tp2 = {"model": "mixtral", "steps": 2, "path": os.path.join(tmp, "ep2tp2")}
+    e_save = {**ep2tp2, "check": "save", "plan": _ep_tp_plan()}
+    e_load = {**ep2tp2, "check": "load", "plan": make_ep_plan(_moe_graph(), dp=2, ep=2, global_batch=BATCH)}
+    (a_saved, d_saved, e_saved), *_ = run_world(run_cases, 4, [a_save, d_save, e_save], timeout_s=300)
+    (a_loaded, b_interrupted, c_saved, d_loaded_ep, d_loaded_dp, e_loaded), *others = run_world(
+        run_cases, 2, [a_load, b_save, c_save, d_load_ep, d_load_dp, e_load], timeout_s=300)
+    (b_loaded, c_loaded, d_loaded_tp), *_ = run_world(run_cases, 4, [b_load, c_load, d_load_tp], timeout_s=300)
     return {"a_saved": a_saved, "a_loaded": a_loaded, "b": b_interrupted, "b_rank1": others[0][1],
             "b_loaded": b_loaded, "tp4": tp4, "dp2": dp2, "c_saved": c_saved, "c_loaded": c_loaded,
-            "d_saved": d_saved, "d_loaded_ep": d_loaded_ep, "d_loaded_dp": d_loaded_dp}
+            "d_saved": d_saved, "d_loaded_ep": d_loaded_ep, "d_loaded_dp": d_loaded_dp,
+            "d_loaded_tp": d_loaded_tp, "e_saved": e_saved, "e_loaded": e_loaded}
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +144,10 @@ def test_context_parallel_checkpoint_loads_bitwise_under_another_cp_and_dp(runs)
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("loaded", ["d_loaded_ep", "d_loaded_dp"])
-def test_expert_parallel_checkpoint_loads_bitwise_under_another_ep_and_without_ep(runs, loaded):
-    saved, after = runs["d_saved"], runs[loaded]
+@pytest.mark.parametrize("saved, loaded", [("d_saved", "d_loaded_ep"), ("d_saved", "d_loaded_dp"),
+                                           ("d_saved", "d_loaded_tp"), ("e_saved", "e_loaded")])
+def test_expert_parallel_checkpoint_loads_bitwise_under_another_ep_with_or_without_tp(runs, saved, loaded):
+    saved, after = runs[saved], runs[loaded]
     name = "model.layers.0.mlp.experts.gate_up_proj"
     assert saved["params"][name].shape[0] == 4  # all four experts, gathered from two ep ranks' blocks
     assert saved["optim"][name]["step"].item() == 2
