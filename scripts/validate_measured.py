@@ -81,11 +81,15 @@ CONFIGS = [
     # context parallel (issue 16): priced on the rank-local graph (seq / cp tokens), K/V all-gathered
     ("gpt-cp2", GPT, 2, dict(cp=2, dp=1, micro_batch=4)),
     ("llama-dp2-cp2", LLAMA, 4, dict(cp=2, dp=2, micro_batch=2)),
+    ("llama-cp2-tp2", LLAMA, 4, dict(cp=2, tp=2, dp=1, micro_batch=4)),  # attention on the rank's heads
     # expert parallel (issue 16): a 4-expert top-2 MoE, its experts over ep of the dp ranks, all-to-all routing
     ("moe-dp2", MOE, 2, dict(dp=2, micro_batch=4)),
     ("moe-ep2", MOE, 2, dict(dp=2, ep=2, micro_batch=4)),
     ("moe-ep4", MOE, 4, dict(dp=4, ep=4, micro_batch=2)),
     ("moe-dp4-ep2-zero3", MOE, 4, dict(dp=4, ep=2, micro_batch=2, zero=3)),
+    # the experts (and router) replicated on tp, the rest Megatron 1D
+    ("moe-tp2-dp2", MOE, 4, dict(tp=2, dp=2, micro_batch=2)),
+    ("moe-dp2-ep2-tp2", MOE, 4, dict(tp=2, dp=2, ep=2, micro_batch=2)),
 ]
 
 

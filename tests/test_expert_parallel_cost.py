@@ -141,3 +141,67 @@ def test_explain_describes_an_expert_parallel_plan(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "expert parallel 4: each MoE layer's experts over 4 of the 8 data-parallel ranks" in out.stdout
+
+
+def test_the_experts_and_the_router_are_planned_replicated_on_tensor_parallel_axes():
+    """The runtime runs them on plain tensors, replicated on tp (runtime/expert_parallel.py): no strategy
+    that splits them is offered, while attention keeps its column / row splits."""
+    from autoshard.planner.contract import is_expert_weight, tp_replicated_ops
+    from autoshard.planner.layouts import MeshSpec
+    from autoshard.planner.strategies import strategies_in
+
+    graph = capture_ref(MOE)
+    replicated = tp_replicated_ops(graph)
+    assert set(expert_roles(graph)) <= replicated
+    routers = {n for n in replicated if graph.op(n).params and not any(map(is_expert_weight, graph.op(n).params))}
+    assert routers == {f"model.layers.{i}.mlp.gate" for i in range(4)}
+    mesh = MeshSpec.of(dp=4, tp=2)
+    for name in replicated:
+        for st in strategies_in(graph, graph.op(name), mesh, 1):
+            assert all(axis == "dp" for lay in (*st.inputs, st.output) for axis, _ in lay.items), (name, st.name)
+    q_proj = strategies_in(graph, graph.op("model.layers.0.self_attn.q_proj"), mesh, 1)
+    assert any(axis == "tp" for st in q_proj for axis, _ in st.output.items)
+
+
+def test_under_tensor_parallelism_every_tp_rank_computes_the_experts_whole():
+    """Megatron 1D over tp=2 halves q_proj's work per rank and leaves the expert GEMMs' as they are."""
+    def op_times(tp: int) -> dict[str, float]:
+        plan, _ = estimate_config(MOE, CLUSTER, ep=2, tp=tp, dp=8 // tp, global_batch=8 // tp, micro_batch=1)
+        return {p.op: p.time_s for p in plan.ops}
+
+    one, two = op_times(1), op_times(2)
+    expert = "model.layers.0.mlp.experts.grouped_mm_fallback"
+    assert two[expert] >= one[expert]  # its own work whole, plus the all-to-alls of the same rows
+    assert two["model.layers.0.self_attn.q_proj"] < 0.75 * one["model.layers.0.self_attn.q_proj"]
+
+
+def test_a_gradient_reduction_is_shared_only_by_consumers_that_hand_back_a_partial_sum():
+    """A producer read by a column-split op and by an op kept replicated on tp: the column-split one's
+    input gradient is a partial sum, reduced in full (grad_share 1), while the forward's redistribution
+    (none here) is shared by both."""
+    from autoshard.hardware_profiles.cluster import ClusterSpec
+    from autoshard.planner.context import PlanContext
+    from autoshard.planner.layouts import Layout, MeshSpec
+    from autoshard.planner.opcost import edge_cost
+
+    graph = capture_ref(MOE)
+    meta = graph.op("model.layers.0.post_attention_layernorm").output_meta
+    ctx = PlanContext(mesh=MeshSpec.of(tp=2), cluster=ClusterSpec.parse("1x2xH100-80GB"), micro_batch=1,
+                      num_microbatches=1)
+    whole = edge_cost(meta, Layout(), Layout(), frozenset({"tp"}), ctx)
+    shared = edge_cost(meta, Layout(), Layout(), frozenset({"tp"}), ctx, share=0.5)
+    alone = edge_cost(meta, Layout(), Layout(), frozenset({"tp"}), ctx, share=0.5, grad_share=1.0)
+    assert [k for k, _ in whole.comm] == ["all_reduce"]
+    assert shared.comm[0][1] == pytest.approx(whole.comm[0][1] / 2)
+    assert alone.comm == whole.comm
+
+
+def test_the_planner_offers_tensor_parallel_meshes_with_ep_but_no_pipeline_for_a_moe_model():
+    from autoshard.hardware_profiles.cluster import ClusterSpec
+    from autoshard.planner.search import enumerate_candidates, parse_space
+
+    cluster = ClusterSpec.parse(CLUSTER)
+    found, _ = enumerate_candidates(capture_ref(MOE), cluster, global_batch=16, space=parse_space("dp,zero,tp1d,pp,ep"),
+                                    cap_bytes=cluster.device_memory_bytes)
+    assert any(c.mesh.tp_axes and c.ep > 1 for c in found)
+    assert all(c.mesh.degree("pp") == 1 for c in found)

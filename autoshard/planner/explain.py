@@ -218,7 +218,9 @@ def explain_text(plan: Plan, *, layer: int | None = None, op: str | None = None)
         head += (f"\nexpert parallel {plan.ep}: each MoE layer's experts over {plan.ep} of the {dp} data-parallel "
                  f"ranks, tokens dispatched to their experts and combined back by all-to-all (4 per layer and "
                  f"micro-batch); an expert op's zero level applies over the {dp // plan.ep} rank(s) holding the same "
-                 f"experts, and its time includes the all-to-alls and the busiest rank's share of the routed rows")
+                 f"experts, and its time includes the all-to-alls and the busiest rank's share of the routed rows"
+                 + ("; the experts and router run replicated on the tensor-parallel axes, the ep group being the "
+                    "ranks at one tensor-parallel position" if plan.mesh.tp_axes else ""))
     groups = _selected(plan, layer=layer, op=op)
     rows = {id(g): [_row(p, g) for p in g.ops] for g in groups}
     every = [r for rs in rows.values() for r in rs]

@@ -181,21 +181,21 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
             eps = (1, *expert_parallel_degrees(graph, dp)) if "ep" in space and cp == 1 else (1,)
             if ep is not None:
                 eps = (ep,) if ep in eps else ()
-            for b, ep in itertools.product(_micro_batches(global_batch, dp, batch_shard), eps):
+            for b, e in itertools.product(_micro_batches(global_batch, dp, batch_shard), eps):
                 m = global_batch // (dp * b)
                 for pipe in _pipelines(graph, pp, space, m, schedules):
                     for rc in recomputes:
                         inflight = inflight_microbatches(0, pipe, m)
                         # expert weights split over ep and ZeRO-sharded over dp / ep: at most ZeRO-3's memory
                         mem = memory_lower_bound_bytes(graph, prec, tp_degree=tdeg, pp=pp, dp=dp,
-                                                       max_zero=3 if ep > 1 else max_zero,
+                                                       max_zero=3 if e > 1 else max_zero,
                                                        micro_batch=b, inflight=inflight, recompute=rc)
                         if mem > cap_bytes:
                             pruned += 1
                             continue
                         lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tdeg, pp=pp, micro_batch=b,
                                                 num_microbatches=m, fill=pipeline_fill(pipe), recompute=rc)
-                        found.append(Candidate(mesh, b, m, rc, pipe, lb, mem, cp, ep))
+                        found.append(Candidate(mesh, b, m, rc, pipe, lb, mem, cp, e))
     found.sort(key=lambda c: (c.time_lb_s, c.mesh.size, str(c.mesh), c.micro_batch, c.recompute,
                               c.pipe.schedule, c.pipe.virtual_stages, c.ep))
     return found, pruned
