@@ -95,16 +95,18 @@ def expert_roles(graph: OpGraph) -> dict[str, ExpertRole]:
 def tp_replicated_ops(graph: OpGraph) -> frozenset[str]:
     """Ops the runtime runs replicated on the tensor-parallel axes: every op of a mixture-of-experts layer's
     experts module (their forward runs on this rank's tokens as plain tensors, runtime/expert_parallel.py),
-    and the router, an op with parameters whose output the experts read (the graph holds transformers'
-    router module as one op, its softmax and top-k included: a column split would leave the top-k to DTensor,
-    which gathers the logits inside the module where no edge prices it)."""
+    and the router: an op whose output the experts read, with a weight of one row per expert (the graph holds
+    transformers' router module as one op, its softmax and top-k included: a column split would leave the
+    top-k to DTensor, which gathers the logits inside the module where no edge prices it)."""
     cache = graph_cache(graph)
     if "tp_replicated" not in cache:
         modules = {r.module for r in expert_roles(graph).values()}
+        counts = {r.experts for r in expert_roles(graph).values()}
         inside = tuple(f"{m}." for m in modules)
         experts = {op.name for op in graph.ops if op.module_path in modules or op.module_path.startswith(inside)}
         routers = {src for op in graph.ops if op.name in experts for src in op.inputs
-                   if src not in experts and src in graph._index and graph.op(src).params}
+                   if src not in experts and src in graph._index
+                   and any(len(p.shape) == 2 and p.shape[0] in counts for p in graph.op(src).params)}
         cache["tp_replicated"] = frozenset(experts | routers)
     return cache["tp_replicated"]
 
