@@ -2,7 +2,8 @@
 
 Each case: a context-parallel plan as `estimate --cp` writes one (strategies from the rank-local graph, captured
 at seq / cp tokens, with cp folded into dp), applied by the runtime: each rank runs two head-tail chunks of
-every sequence, attention all-gathers keys and values over the cp group. Loss and every gradient after one
+every sequence, attention all-gathers keys and values over the cp group (with tensor parallelism, on the rank's
+heads over the cp ranks at its tp position). Loss and every gradient after one
 step, and every parameter after three AdamW steps, against a single-process copy on the same global batch
 (fp32, atol 1e-5); bytes per collective kind against `predicted_step_comm`.
 """

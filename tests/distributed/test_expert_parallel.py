@@ -3,7 +3,9 @@
 Each case: a tiny Mixtral (2 layers, 4 experts, top-2) under a plan as `estimate --ep` writes one (data
 parallel or ZeRO over dp, each MoE layer's experts over ep of the dp ranks), applied by the runtime: experts
 kept per rank and routed by all-to-all (runtime/expert_parallel.py), FSDP2 over the dp ranks outside the
-experts and over the ranks holding the same experts inside them. Loss and every gradient after one step, and
+experts and over the ranks holding the same experts inside them; one case adds Megatron 1D tensor parallelism
+(`estimate --tp 2 --ep 2`), the experts and router replicated on tp and the ep group the ranks at one tp
+position. Loss and every gradient after one step, and
 every parameter after three AdamW steps, against a single-process copy on the same global batch (fp32,
 atol 1e-5); bytes per collective kind against `predicted_step_comm`.
 
