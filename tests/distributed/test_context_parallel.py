@@ -38,7 +38,7 @@ CASES = {
     "llama-cp2-planner": (2, "llama", 1, 2, {"planner": True}),
     # Megatron 1D tensor parallelism inside each cp rank (estimate --cp 2 --tp 2): attention on its heads
     "llama-cp2-tp2": (4, "llama", 1, 2, {"tp": 2}),
-    "qwen2-dp2-cp2-tp2-sp": (8, "qwen2", 2, 2, {"tp": 2, "sequence_parallel": True}),
+    "qwen2-cp2-tp2-sp": (4, "qwen2", 1, 2, {"tp": 2, "sequence_parallel": True}),  # 1 K/V head per tp rank
 }
 
 
