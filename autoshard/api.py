@@ -238,8 +238,8 @@ def context_parallel_degrees(model, graph, cluster, space: frozenset[str]) -> li
 def _best_plan(model, graph, cluster, *, global_batch, space, cap_bytes, time_limit_s, progress, attention):
     """(plan, search) of the fastest plan over `space`: the search on the whole graph, and with "cp" in the
     space one search per context-parallel degree on that degree's rank-local graph (data parallel, ZeRO and
-    tensor parallelism around it, no pipeline: what the runtime runs with cp), and for a mixture-of-experts model with "ep" in the space one
-    search per expert-parallel degree. The SearchResult's `context_parallel` and `expert_parallel` say how CP
+    tensor parallelism around it, no pipeline: what the runtime runs with cp), and for a mixture-of-experts
+    model with "ep" in the space one search per expert-parallel degree. The SearchResult's `context_parallel` and `expert_parallel` say how CP
     and EP compared with the best plan without them."""
     from autoshard.errors import InfeasiblePlanError
     from autoshard.planner.planning import make_plan

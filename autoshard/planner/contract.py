@@ -100,13 +100,14 @@ def tp_replicated_ops(graph: OpGraph) -> frozenset[str]:
     top-k to DTensor, which gathers the logits inside the module where no edge prices it)."""
     cache = graph_cache(graph)
     if "tp_replicated" not in cache:
-        modules = {r.module for r in expert_roles(graph).values()}
-        counts = {r.experts for r in expert_roles(graph).values()}
+        roles = expert_roles(graph).values()
+        modules, counts = {r.module for r in roles}, {r.experts for r in roles}
         inside = tuple(f"{m}." for m in modules)
         experts = {op.name for op in graph.ops if op.module_path in modules or op.module_path.startswith(inside)}
+        by_name = {op.name: op for op in graph.ops}
         routers = {src for op in graph.ops if op.name in experts for src in op.inputs
-                   if src not in experts and src in graph._index
-                   and any(len(p.shape) == 2 and p.shape[0] in counts for p in graph.op(src).params)}
+                   if src not in experts and src in by_name
+                   and any(len(p.shape) == 2 and p.shape[0] in counts for p in by_name[src].params)}
         cache["tp_replicated"] = frozenset(experts | routers)
     return cache["tp_replicated"]
 

@@ -324,7 +324,7 @@ def _tp_replicated(st: OpStrategy) -> bool:
 def strategies_in(graph: OpGraph, op: Op, mesh: MeshSpec, micro_batch: int, *,
                   zero_options=ZERO_OPTIONS) -> list[OpStrategy]:
     """`strategies_for` with what the runtime allows `op` of `graph` (contract.py): whole heads for a
-    projection, replicated on the tensor-parallel axes for an op of a mixture-of-experts layer's experts."""
+    projection, replicated on the tensor-parallel axes for a mixture-of-experts layer's experts and router."""
     return strategies_for(op, mesh, micro_batch, zero_options=zero_options,
                           head_slices=projection_head_slices(graph).get(op.name, 0),
                           tp_replicated=op.name in tp_replicated_ops(graph))

@@ -95,15 +95,16 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
         group, state.cp_rank = context_parallel_group(plan.mesh, device_type=mesh.device_type)
         state.cp = plan.mesh.degree("cp")
         apply_context_parallel(model, group, state.cp, state.cp_rank)
-    experts = None
-    if plan.ep > 1 or expert_modules(model):  # the experts run on this rank's tokens, replicated on tp (and
-        # over ep of the dp ranks): plain tensors inside, no DTensor grouped matmul (expert_parallel.py)
+    experts, found = None, expert_modules(model)
+    if plan.ep > 1 or found:  # the experts run on this rank's tokens, replicated on tp (and over ep of the dp
+        # ranks): plain tensors inside, no DTensor grouped matmul (expert_parallel.py)
         group, ep_rank, experts, whole = expert_parallel_meshes(plan.mesh, plan.ep, device_type=mesh.device_type)
         apply_expert_parallel(model, group if plan.ep > 1 else None, plan.ep, ep_rank, spmd=True,
                               checkpoint_mesh=whole if plan.ep > 1 else None)
-        specs = _without_experts(model, specs)
+        specs = _without_experts(specs, [path for path, _ in found])
     model = make_parallel(model, state)  # 1
-    distribute_parameters(model, specs, mesh, plain=_expert_params(model))  # 2: storage placements ...
+    plain = {id(p) for _, m in found for p in m.parameters(recurse=False)}  # each rank's experts, after EP
+    distribute_parameters(model, specs, mesh, plain=plain)  # 2: storage placements ...
     runtimes = install_module_runtimes(model, specs, mesh, state)  # ... and redistribution around module calls
     _statistics_parallel_norms(specs, runtimes)  # 3
     apply_operator_splitting(model, specs, runtimes, mesh)  # 4
@@ -126,17 +127,11 @@ def _expert_zero(plan: Plan) -> dict[str, int]:
     return out
 
 
-def _without_experts(model: nn.Module, specs: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
-    """`specs` without the modules inside experts modules (their activation runs inside the experts' own
-    forward on local tensors)."""
-    paths = [path for path, _ in expert_modules(model)]
+def _without_experts(specs: dict[str, ModuleSpec], paths: list[str]) -> dict[str, ModuleSpec]:
+    """`specs` without the experts modules at `paths` and the modules inside them (their activation runs
+    inside the experts' own forward on local tensors)."""
     inside = tuple(f"{path}." for path in paths)
-    return {p: s for p, s in specs.items() if p not in paths and not p.startswith(inside)} if paths else specs
-
-
-def _expert_params(model: nn.Module) -> set[int]:
-    """ids of the experts modules' own parameters, which stay plain tensors on a tensor-parallel mesh."""
-    return {id(p) for _, m in expert_modules(model) for p in m.parameters(recurse=False)}
+    return {p: s for p, s in specs.items() if p not in paths and not p.startswith(inside)}
 
 
 def materializes_scores(plan: Plan) -> bool:
