@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from adamw_bound import ATOL, AdamWBound
 from dist_checks import full_named
 from torch import nn
 
@@ -176,6 +177,7 @@ def _adamw_steps(ref, pm, step, batch_, local, steps: int, names: list[str]) -> 
         p.grad = steps * p.grad
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    bound = AdamWBound(opt_ref, dict(ref.named_parameters(remove_duplicate=False)), atol=ATOL)
     comm = {}
     for i in range(3):
         if i:
@@ -185,14 +187,17 @@ def _adamw_steps(ref, pm, step, batch_, local, steps: int, names: list[str]) -> 
             else:
                 step((lx,), ly)
         opt_ref.step()
+        bound.after_step()
         opt.step()
         opt_ref.zero_grad()
         opt.zero_grad()
     ref_params = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}
     got = {n: p.detach() for n, p in full_named(pm, names, grads=False).items()}
     param_diff, param_worst = _max_diff(got, ref_params)
+    excess, excess_at = bound.excess(got, ref_params)
     pp_rank = pm.mesh.get_local_rank("pp") if "pp" in (pm.mesh.mesh_dim_names or ()) else 0
-    return {"param_diff": param_diff, "param_worst": param_worst, "p2p_bytes": comm.get("p2p", 0), "stage": pp_rank}
+    return {"param_diff": param_diff, "param_worst": param_worst, "param_excess": excess,
+            "param_excess_at": excess_at, "p2p_bytes": comm.get("p2p", 0), "stage": pp_rank}
 
 
 def _gathers_case(case: dict) -> dict:

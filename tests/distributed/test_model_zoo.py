@@ -122,7 +122,7 @@ def _results(arch: str) -> dict[str, dict]:
 
 
 def _equal(r: dict) -> bool:
-    return r["loss_diff"] <= ATOL and r["grad_diff"] <= ATOL and r.get("param_diff", float("inf")) <= ATOL
+    return r["loss_diff"] <= ATOL and r["grad_diff"] <= ATOL and r.get("param_excess", float("inf")) <= 0
 
 
 @pytest.mark.parametrize("arch", RUN_ARCHS)

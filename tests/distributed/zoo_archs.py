@@ -5,6 +5,7 @@ structure: 2 blocks, 4 query heads (2 key/value heads where the family groups th
 from __future__ import annotations
 
 import torch
+from adamw_bound import ATOL, AdamWBound
 from torch import nn
 
 __all__ = ["ARCHS", "DECODERS", "build", "example", "batch", "loss_fn"]
@@ -195,31 +196,36 @@ def run_case(case: dict) -> dict:
     # then three AdamW steps on both (eps 1e-6 as in dist_checks: a near-zero gradient's rounding stays small)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    bound = AdamWBound(opt_ref, dict(ref.named_parameters()), atol=ATOL)
     for step in range(3):
         if step:
             loss_fn(ref(*inputs), target).backward()
             pm.train_step(tuple(local), local_target)
         opt_ref.step()
+        bound.after_step()
         opt.step()
         opt_ref.zero_grad()
         opt.zero_grad()
-    param_diff, param_worst = _param_errors(ref, pm)
+    param_diff, param_worst, excess, excess_at = _param_errors(ref, pm, bound)
     return {"id": case["id"], "loss_diff": abs(loss.item() - ref_loss.item()), "grad_diff": grad_diff,
-            "grad_worst": worst, "param_diff": param_diff, "param_worst": param_worst, "mesh": str(pm.plan.mesh)}
+            "grad_worst": worst, "param_diff": param_diff, "param_worst": param_worst, "param_excess": excess,
+            "param_excess_at": excess_at, "mesh": str(pm.plan.mesh)}
 
 
-def _param_errors(ref: nn.Module, pm: nn.Module) -> tuple[float, str]:
+def _param_errors(ref: nn.Module, pm: nn.Module, bound: AdamWBound) -> tuple[float, str, float, str]:
+    """(largest |parameter difference|, where; largest excess over the AdamW bound, where)."""
     from dist_checks import full_named
 
     local = {n for n, _ in pm.named_parameters(remove_duplicate=False)}
     names = [n for n, _ in ref.named_parameters() if n in local]
-    got = full_named(pm, names, grads=False)
+    got = {n: t.detach() for n, t in full_named(pm, names, grads=False).items()}
+    want = {n: ref.get_parameter(n).detach() for n in names}
     worst, where = 0.0, ""
     for n in names:
-        d = (got[n].detach() - ref.get_parameter(n).detach()).abs().max().item()
+        d = (got[n] - want[n]).abs().max().item()
         if d > worst:
             worst, where = d, n
-    return worst, where
+    return worst, where, *bound.excess(got, want)
 
 
 def matrix_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
