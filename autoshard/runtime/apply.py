@@ -36,6 +36,7 @@ from autoshard.runtime.data_parallel import (
     apply_operator_splitting,
     apply_plain_data_parallel,
     apply_sharded_data_parallel,
+    require_spmd_fsdp,
 )
 from autoshard.runtime.dtensor_ext import register_dtensor_rules
 from autoshard.runtime.expert_parallel import apply_expert_parallel, expert_modules
@@ -90,6 +91,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
         return model
     if compute_dtype(precision) is not None and "dp" not in mesh.mesh_dim_names:  # FSDP2 casts the parameters:
         mesh = build_device_mesh(plan.mesh, device_type=mesh.device_type, unit_dp=True)  # give it a dp dim
+    if "dp" in mesh.mesh_dim_names:
+        require_spmd_fsdp()  # torch 2.11: refused before the model is touched (data_parallel.py)
     state = RuntimeState(plan=plan, mesh=mesh)
     if plan.mesh.degree("cp") > 1:  # the mesh's dp dim is dp x cp; attention gathers over the cp group
         group, state.cp_rank = context_parallel_group(plan.mesh, device_type=mesh.device_type)

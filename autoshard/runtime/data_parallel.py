@@ -1,7 +1,7 @@
 """Sharded data parallelism per block and op: FSDP2 `fully_shard` in SPMD mode over the `dp` mesh dim, and splitting.
 
 Parameters are already DTensors on the full mesh (replicated on dp), so every op's module gets
-`fully_shard(module, mesh=<full mesh>, dp_mesh_dims=...)` (torch >= 2.11's SPMD mode), with
+`fully_shard(module, mesh=<full mesh>, dp_mesh_dims=...)` (FSDP2's SPMD mode, torch >= 2.12), with
 
     zero 0     DataParallelMeshDims(replicate="dp")          DDP: gradients all-reduced (averaged)
     zero 1, 2  DataParallelMeshDims(shard="dp"), reshard_after_forward=False   (FSDP2 has no ZeRO-1:
@@ -31,6 +31,11 @@ Plans without tensor-parallel axes take `apply_plain_data_parallel` instead: the
 
 Without a dp axis there is no FSDP; gradients of parameters used on sharded activations (a replicated norm
 weight under sequence parallelism) come out `Partial` and are reduced to the parameter's placement by a hook.
+
+Torch 2.11 has no SPMD mode (`DataParallelMeshDims` arrived in 2.12). There, the plans that need it (sharded
+data parallelism over a mesh with tensor-parallel axes or over a pipeline stage of several ranks; on GPUs
+every tensor-parallel plan, whose parameters FSDP2 casts to bf16 over a one-rank dp axis) are refused with
+`RuntimeSetupError` naming the torch to install; data parallelism and ZeRO on plain tensors run on it.
 """
 
 from __future__ import annotations
@@ -41,21 +46,39 @@ import re
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoshard.cost_models.memory import FP32, Precision
-from autoshard.errors import ConfigurationError
+from autoshard.errors import ConfigurationError, RuntimeSetupError
 from autoshard.planner.layouts import IN
 from autoshard.runtime.precision import fsdp_policy
 from autoshard.runtime.specs import ModuleSpec, param_owners
 from autoshard.runtime.split import SplitLinear, split_linear
 from autoshard.runtime.tensor_parallel import ModuleRuntime
 
-__all__ = ["apply_operator_splitting", "apply_sharded_data_parallel", "apply_plain_data_parallel", "set_microbatch"]
+__all__ = ["apply_operator_splitting", "apply_sharded_data_parallel", "apply_plain_data_parallel", "set_microbatch",
+           "require_spmd_fsdp"]
 
 log = logging.getLogger(__name__)
+
+try:  # FSDP2's SPMD mode: torch >= 2.12
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # torch 2.11
+    DataParallelMeshDims = None
+
+
+def require_spmd_fsdp() -> None:
+    """Raise `RuntimeSetupError` unless this torch has FSDP2's SPMD mode (module docstring)."""
+    if DataParallelMeshDims is None:
+        import torch
+
+        raise RuntimeSetupError(
+            "this plan shards data-parallel parameters on a mesh with tensor-parallel axes or a multi-rank "
+            "pipeline stage (on GPUs: every tensor-parallel plan), which needs FSDP2's SPMD mode, new in torch "
+            f"2.12; this is torch {torch.__version__}: install torch>=2.12, or plan with --space dp,zero "
+            "(data parallelism and ZeRO run on torch 2.11)")
 
 
 def apply_operator_splitting(model: nn.Module, specs: dict[str, ModuleSpec],
@@ -186,7 +209,7 @@ def set_microbatch(model: nn.Module, *, last: bool) -> None:
             module.set_reshard_after_backward(last or zero == 3, recurse=False)
 
 
-def _dims(zero: int, unit: bool = False) -> DataParallelMeshDims:
+def _dims(zero: int, unit: bool = False):
     """ZeRO-0 replicates over dp, except on a dp dim of one rank (`unit`), where FSDP2 is there only to cast the
     parameters (precision.py): sharded over one rank, it issues no collective at all."""
     return DataParallelMeshDims(shard="dp") if zero > 0 or unit else DataParallelMeshDims(replicate="dp")
@@ -207,6 +230,7 @@ def apply_sharded_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], 
     if "dp" not in mesh.mesh_dim_names:
         _reduce_grads_to_param_placement(model)
         return
+    require_spmd_fsdp()
     mp, unit = fsdp_policy(precision), _unit_dp(mesh)
     if expert_meshes is not None:
         specs = _shard_experts(model, specs, mesh, expert_meshes, expert_zero or {}, mp)

@@ -59,6 +59,7 @@ from autoshard.runtime.data_parallel import (
     apply_operator_splitting,
     apply_plain_data_parallel,
     apply_sharded_data_parallel,
+    require_spmd_fsdp,
 )
 from autoshard.runtime.dtensor_ext import SPMDMode, register_dtensor_rules
 from autoshard.runtime.mesh import build_device_mesh
@@ -374,6 +375,8 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
                    dtype=compute_dtype(precision))
     tied = untie_across_chunks(chunks, {c.index for c in local})
     mesh = _stage_mesh(full, plan, device_type, unit_dp)
+    if mesh is not None and "dp" in mesh.mesh_dim_names:
+        require_spmd_fsdp()  # torch 2.11: refused before the model is cut (data_parallel.py)
     _check_tied_layouts(tied, specs, chunks, mesh)
     prune_model(model, chunks[0].family, local)
     dp = full.size(full.mesh_dim_names.index("dp")) if "dp" in full.mesh_dim_names else 1
