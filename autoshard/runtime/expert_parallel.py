@@ -177,7 +177,8 @@ def routing_imbalance(model: nn.Module) -> float | None:
         if rows is None or module._autoshard_ep[1] == 1:
             continue
         group, ep = module._autoshard_ep[0], module._autoshard_ep[1]
-        mine = torch.tensor(list(rows), dtype=torch.float64)
+        device = next(module.parameters()).device  # the ranks' device: NCCL gathers device tensors only
+        mine = torch.tensor(list(rows), dtype=torch.float64, device=device)
         every = [torch.empty_like(mine) for _ in range(ep)]
         torch.distributed.all_gather(every, mine, group=group)
         per_call = torch.stack(every)  # (ep ranks, calls)
@@ -185,7 +186,7 @@ def routing_imbalance(model: nn.Module) -> float | None:
         ratios += (per_call.max(0).values[mean > 0] / mean[mean > 0]).tolist()
     if not ratios:
         return None
-    local = torch.tensor([sum(ratios), len(ratios)], dtype=torch.float64)
+    local = torch.tensor([sum(ratios), len(ratios)], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(local)  # ep groups differ across the dp / ep replicas: one figure for the job
     return float(local[0] / local[1])
 

@@ -104,11 +104,11 @@ def synthetic_batch(loaded, global_batch: int, step: int, device: torch.device) 
     (example,) = loaded.example_inputs(global_batch, device="cpu")[:1]
     if example.dtype == torch.long:
         vocab = loaded.spec.vocab if loaded.spec is not None else int(loaded.module.config.vocab_size)
-        x = torch.randint(0, vocab, tuple(example.shape), generator=g)
-        y = torch.randint(0, vocab, tuple(example.shape), generator=g)
+        x = torch.randint(0, vocab, tuple(example.shape), generator=g, device="cpu")
+        y = torch.randint(0, vocab, tuple(example.shape), generator=g, device="cpu")
     else:
-        x = torch.randn(tuple(example.shape), generator=g)
-        y = torch.randn(tuple(example.shape[:1]), generator=g)
+        x = torch.randn(tuple(example.shape), generator=g, device="cpu")
+        y = torch.randn(tuple(example.shape[:1]), generator=g, device="cpu")
     return x.to(device), y.to(device)
 
 

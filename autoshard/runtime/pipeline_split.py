@@ -141,9 +141,10 @@ def _outside_blocks(model: nn.Module, blocks: str, example: torch.Tensor | None)
     first_block = next(iter(model.get_submodule(blocks)))
     hooks.append(first_block.register_forward_pre_hook(lambda m, a: order.append(blocks)))
     try:
+        device = example.device if example is not None else next(model.parameters()).device
         with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-            x = torch.zeros((1, 2), dtype=torch.long) if example is None else \
-                torch.empty((1, *example.shape[1:]), dtype=example.dtype)
+            x = torch.zeros((1, 2), dtype=torch.long, device=device) if example is None else \
+                torch.empty((1, *example.shape[1:]), dtype=example.dtype, device=device)
             model(x)
     finally:
         for h in hooks:

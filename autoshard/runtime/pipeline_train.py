@@ -159,7 +159,8 @@ def _pipeline_step(state: PipelineState, inputs: tuple, target: torch.Tensor) ->
     losses: list[torch.Tensor] = []
     state.schedule.step(x, target=target, losses=losses, return_outputs=False)
     state.tied.after_step()
-    loss = torch.stack([t.detach().float() for t in losses]).sum() if losses else torch.zeros((), dtype=torch.float32)
+    loss = torch.stack([t.detach().float() for t in losses]).sum() if losses else \
+        torch.zeros((), dtype=torch.float32, device=state.mesh.device_type)  # NCCL reduces device tensors only
     degree = state.mesh.size(0)
     if degree > 1:  # the last stage holds the loss
         dist.broadcast(loss, group=state.mesh.get_group("pp"), group_src=degree - 1)
@@ -184,7 +185,7 @@ def _spmd_step(model: nn.Module, inputs: tuple, target: torch.Tensor) -> torch.T
     pieces = [_split(x, n) for x in inputs]
     targets = _split(target, n)
     fsdp = isinstance(model, FSDPModule) and n > 1
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=model.mesh.device_type)  # the ranks' device, not the default
     for i in range(n):
         if fsdp:
             set_microbatch(model, last=i == n - 1)

@@ -84,7 +84,7 @@ class _Ctx:
         t0 = time.perf_counter()
         fn()
         self.sync()
-        once = torch.tensor([max(time.perf_counter() - t0, 1e-7)], dtype=torch.float64)
+        once = torch.tensor([max(time.perf_counter() - t0, 1e-7)], dtype=torch.float64, device=self.device)
         dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank runs the same number of repetitions
         reps = reps or max(MIN_REPS, min(50, int(self.budget_s / once.item())))
         samples = []
@@ -279,7 +279,7 @@ def _fsdp_us(c: _Ctx) -> float:
 
     def model():
         torch.manual_seed(0)
-        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(16)]).to(c.device)
+        return nn.Sequential(*[nn.Linear(8, 8, device=c.device) for _ in range(16)])
 
     x = torch.ones(4, 8, device=c.device)
     plain, sharded = model(), model()
@@ -526,18 +526,21 @@ def _link(name: str, scope: str, curves: dict[str, list], p2p: list, where: str,
                         "busbw_curve": src + ": all groups of a size at once"}}
 
 
-def _device_facts(c: _Ctx) -> tuple[str, float, int, float | None]:
-    """(name, memory GiB per rank, SMs or cores, datasheet dense peak TFLOP/s if the GPU is a known one)."""
-    if c.device.type == "cpu":
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / c.per_node
-        return "cpu-measured", round(mem, 2), os.cpu_count() or 1, None
+def _device_facts(c: _Ctx):
+    """(name, memory GiB per rank, SMs or cores, the built-in profile of this GPU or CPU if there is one)."""
     from autoshard.hardware_profiles.profiles import gpu_names, load_gpu
 
+    if c.device.type == "cpu":
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / c.per_node
+        return "cpu-measured", round(mem, 2), os.cpu_count() or 1, load_gpu("cpu")
     props = torch.cuda.get_device_properties(c.device)
     name = props.name.replace("NVIDIA ", "").replace(" ", "-")
     known = next((load_gpu(g) for g in gpu_names() if g.split("-")[0] in name), None)
-    return f"{name}-measured", round(props.total_memory / 2**30, 2), props.multi_processor_count, \
-        known.peak_tflops if known else None
+    return f"{name}-measured", round(props.total_memory / 2**30, 2), props.multi_processor_count, known
+
+
+# Links of a one-rank job, which has nothing to measure them on: its GPU's datasheet links, else these
+_UNMEASURED_LINKS = {"cpu": ("loopback", "loopback-net"), "cuda": ("pcie4", "eth-100g")}
 
 
 def median_profile(rounds: list):
@@ -566,7 +569,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
     if len(rounds) == 1:
         return rounds[0]
     data = median_profile(rounds)
-    for part in (data["gpu"], data["intra"], data["inter"]):
+    for part in (data[k] for k in ("gpu", "intra", "inter") if isinstance(data.get(k), dict)):
         part["sources"] = {k: f"{v} (median of {len(rounds)} rounds)" for k, v in part["sources"].items()}
     return data
 
@@ -584,32 +587,43 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
     gbps, per_op = _memory(c)
     transcendental = _transcendental(c) if c.device.type == "cpu" else 0.0
     c.say("memory bandwidth and kernel cost")
-    name, mem_gib, sms, datasheet = _device_facts(c)
+    name, mem_gib, sms, known = _device_facts(c)
+    datasheet = known.peak_tflops if known is not None and c.device.type == "cuda" else None
     sms = c.cores if c.device.type == "cpu" else sms
     best = max(r[3] for r in gemm)
     peak = datasheet or best
     causal, masked, causal_by_seq = _attention(c, peak)
     dtensor = _dtensor_us(c)
     fsdp, optim = _fsdp_us(c), _optimizer_us(c)
-    slow = _overlap(c)
-    c.say("attention, DTensor dispatch, overlap")
-    curves = _collectives(c)
-    sync = _sync_us(c)
-    redistribute = _redistribute_us(c)
-    p2p = _p2p(c) if c.world % 2 == 0 else []
-    if c.rank != 0:
-        return None
-    intra = _link("measured-intra", "intra", curves["intra"], p2p, where, sync.get("intra", 0.0),
-                  redistribute.get("intra", {}))
-    inter = (_link("measured-inter", "inter", curves["inter"], [], where, sync["inter"]) if curves["inter"] else
-             {**intra, "name": "measured-inter", "scope": "inter",
-              "sources": {k: v + " (one host: its network is its local link)" for k, v in intra["sources"].items()}})
+    c.say("attention, DTensor dispatch, FSDP and optimizer host costs")
     src = f"measured by `autoshard profile` {where}"
+    if c.world > 1:
+        slow = _overlap(c)
+        curves = _collectives(c)
+        sync = _sync_us(c)
+        redistribute = _redistribute_us(c)
+        p2p = _p2p(c) if c.world % 2 == 0 else []
+        if c.rank != 0:
+            return None
+        intra = _link("measured-intra", "intra", curves["intra"], p2p, where, sync.get("intra", 0.0),
+                      redistribute.get("intra", {}))
+        inter = (_link("measured-inter", "inter", curves["inter"], [], where, sync["inter"]) if curves["inter"]
+                 else {**intra, "name": "measured-inter", "scope": "inter",
+                       "sources": {k: v + " (one host: its network is its local link)"
+                                   for k, v in intra["sources"].items()}})
+        link_names, links_src = (intra["name"], inter["name"]), {}
+    else:  # one rank: no collective to time or to overlap; the links are its GPU's datasheet ones (by name)
+        slow = 1.0
+        intra, inter = link_names = ((known.intra_node, known.inter_node) if known is not None
+                                     else _UNMEASURED_LINKS[device.type])
+        links_src = {"overlap_slowdown": f"not measured (one rank, the built-in {intra} / {inter} links): 1.0, "
+                                         "one rank runs no collective beside compute"}
     gpu = {"name": name, "device": device.type, "peak_tflops": round(peak, 6), "fp32_tflops": round(peak, 6),
            "hbm_gbps": round(gbps, 3), "memory_gib": mem_gib, "num_sms": sms,
            "max_gemm_efficiency": round(min(1.0, best / peak), 4), "hbm_efficiency": 1.0,
-           "kernel_launch_us": round(per_op * 1e6, 3), "gpus_per_node": c.per_node, "intra_node": intra["name"],
-           "inter_node": inter["name"], "flash_attention_efficiency": round(causal, 4),
+           "kernel_launch_us": round(per_op * 1e6, 3), "gpus_per_node": c.per_node,
+           "intra_node": link_names[0], "inter_node": link_names[1],
+           "flash_attention_efficiency": round(causal, 4),
            "memory_efficient_attention_efficiency": round(masked, 4), "flash_attention_by_seq": causal_by_seq,
            "overlap_slowdown": round(slow, 4),
            "dtensor_us_per_op": round(dtensor, 3), "fsdp_us_per_module": round(fsdp, 3),
@@ -620,6 +634,7 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
                                         "overlap_slowdown", "dtensor_us_per_op",
                                         "fsdp_us_per_module", "optimizer_us_per_tensor", "num_sms",
                                         "transcendental_gelem_per_s")}}
+    gpu["sources"].update(links_src)
     if datasheet:
         gpu["sources"]["peak_tflops"] = "the datasheet peak of the profile this GPU matches"
     c.say(f"done in {time.perf_counter() - t_start:.0f} s")
