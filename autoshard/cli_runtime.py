@@ -48,6 +48,12 @@ def measure_text(result) -> list[str]:
     if result.routing_imbalance is not None:
         lines.append(f"  routing         the busiest expert-parallel rank received {result.routing_imbalance:.2f}x "
                      "the mean rows (MoE layers' mean; `estimate --ep-imbalance` takes it)")
+    if result.peak_reserved_bytes is not None:
+        gib = 2**30
+        lines.append(f"memory           peak reserved {result.peak_reserved_bytes / gib:.2f} GiB, peak allocated "
+                     f"{result.peak_allocated_bytes / gib:.2f} GiB (the largest rank)"
+                     + (f"; predicted {result.predicted_memory_bytes / gib:.2f} GiB"
+                        if result.predicted_memory_bytes else ""))
     if result.predicted_s is not None:
         lines.append(f"predicted step   {result.predicted_s * 1e3:.1f} ms ({result.error_pct:+.1f}%: "
                      f"{'too fast' if result.error_pct < 0 else 'too slow'})")

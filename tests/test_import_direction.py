@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "autoshard"
-ORDER = ["errors", "models", "capture", "hardware_profiles", "cost_models", "planner", "runtime"]
+ORDER = ["errors", "models", "capture", "hardware_profiles", "cost_models", "planner", "runtime", "measure"]
 # what each layer may import from the package (besides itself and errors)
 ALLOWED = {
     "models": set(),
@@ -14,7 +14,10 @@ ALLOWED = {
     "cost_models": {"capture", "hardware_profiles"},
     "planner": {"models", "capture", "hardware_profiles", "cost_models"},
     "runtime": {"models", "capture", "hardware_profiles", "cost_models", "planner"},
+    "measure": {"models", "capture", "hardware_profiles", "cost_models", "planner", "runtime"},
 }
+# the top: the command line, the entry points and the validation checks may use every part; no part imports them
+TOP = ("cli", "cli_runtime", "api", "validation")
 
 
 def imports_of(path: Path) -> set[str]:
@@ -41,9 +44,15 @@ def test_layers_import_only_upstream_layers():
     assert not bad, bad
 
 
-def test_only_the_runtime_imports_torch_distributed():
-    bad = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
-           if "runtime" not in p.parts and any(n.startswith("torch.distributed") for n in imports_of(p))]
+def test_no_part_imports_the_top_layer():
+    bad = [f"{path.relative_to(PKG)} imports {name}" for layer in ALLOWED for path in (PKG / layer).rglob("*.py")
+           for name in imports_of(path) if name.split(".")[:2] in (["autoshard", t] for t in TOP)]
+    assert not bad, bad
+
+
+def test_only_the_runtime_measure_and_validation_import_torch_distributed():
+    bad = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if not {"runtime", "measure", "validation"} & set(p.parts)
+           and any(n.startswith("torch.distributed") for n in imports_of(p))]
     assert not bad, bad
 
 

@@ -11,6 +11,10 @@ Timing: a barrier, then the step on every rank with a wall clock around it (CUDA
 step's time is the slowest rank's (all ranks finish the step before the next barrier anyway). The result is
 the median over the timed steps, with min / max / interquartile range so a noisy machine shows as such, beside
 the plan's own prediction and its breakdown.
+
+Memory (GPUs): the caching allocator's peak allocated and peak reserved bytes over the whole run, the largest
+over the ranks, beside the plan's predicted peak. Reserved is what an out-of-memory error sees: allocated plus
+the allocator's cached and fragmented blocks.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autoshard.errors import ConfigurationError
+from autoshard.errors import ConfigurationError, RuntimeSetupError
 from autoshard.planner.plan import Plan
 
 __all__ = ["StepTimes", "MeasuredPlan", "measure_plan", "model_ref", "synthetic_batch", "training_loss"]
@@ -74,6 +78,10 @@ class MeasuredPlan:
     # expert parallelism: the busiest ep rank's routed rows over the mean, averaged over the MoE layers' calls in
     # the timed steps (runtime/expert_parallel.py `routing_imbalance`); None without EP
     routing_imbalance: float | None = None
+    # GPUs: the allocator's peaks over the run, the largest rank's; None on CPU ranks
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    predicted_memory_bytes: float | None = None
 
     @property
     def error_pct(self) -> float | None:
@@ -169,6 +177,24 @@ def _slowest(times: list[float], device: torch.device) -> list[float]:
     return t.cpu().tolist()
 
 
+def _memory_peaks(device: torch.device) -> tuple[int | None, int | None]:
+    """(peak allocated, peak reserved) bytes of the CUDA caching allocator, the largest over the ranks."""
+    if device.type != "cuda":
+        return None, None
+    peaks = [float(torch.cuda.max_memory_allocated(device)), float(torch.cuda.max_memory_reserved(device))]
+    return tuple(int(v) for v in _slowest(peaks, device))
+
+
+def _device_for(spec) -> torch.device:
+    if spec.gpu.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeSetupError(f"the plan runs on {spec.gpu.name} GPUs but this machine has no CUDA device "
+                                f"(torch {torch.__version__}); run it on GPUs, or on CPU ranks with "
+                                "--cluster 1xNxcpu (N = the plan's ranks)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, seed: int = 0,
                  progress=None) -> MeasuredPlan:
     """Apply `plan` on this job's ranks and time `steps` training steps after `warmup` (module docstring).
@@ -179,7 +205,9 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
     if steps < 1 or warmup < 0:
         raise ConfigurationError(f"measure needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     spec = _cluster_of(plan, cluster)
-    device = torch.device("cpu") if spec.gpu.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    device = _device_for(spec)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     loaded = _build(plan, device, seed)
     example = tuple(x.to(device) for x in loaded.example_inputs(2, device="cpu"))
     pm = autoparallel(loaded.module, spec, example_inputs=example, global_batch=plan.global_batch, plan=plan,
@@ -208,9 +236,12 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
             progress(i + 1, warmup + steps)
     pred = plan.prediction
     imbalance = routing_imbalance(pm) if plan.ep > 1 else None
+    allocated, reserved = _memory_peaks(device)
     return MeasuredPlan(model=plan.model, cluster=str(spec), mesh=str(plan.mesh), world_size=dist.get_world_size(),
                         step=StepTimes(steps_s=tuple(_slowest(step_t, device))),
                         train_step=StepTimes(steps_s=tuple(_slowest(fb_t, device))),
                         optimizer=StepTimes(steps_s=tuple(_slowest(opt_t, device))),
                         predicted_s=pred.iteration_time_s if pred else None,
-                        predicted_breakdown_s=pred.time.seconds() if pred else None, routing_imbalance=imbalance)
+                        predicted_breakdown_s=pred.time.seconds() if pred else None, routing_imbalance=imbalance,
+                        peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
+                        predicted_memory_bytes=pred.memory.total_bytes if pred else None)
