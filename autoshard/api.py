@@ -8,6 +8,7 @@ from autoshard.errors import ConfigurationError, require_positive
 from autoshard.models.names import is_zoo_or_spec, resolve_spec
 from autoshard.planner.contract import expert_parallel_degrees, num_experts
 from autoshard.planner.estimate import HandConfig, estimate
+from autoshard.planner.plan import graph_fields
 
 __all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph"]
 
@@ -110,7 +111,7 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
         graph = capture_ref(model, seq=full.seq_len // cp, attn=attn)
     plan, _ = estimate(graph, cluster, cfg)
     if cp > 1:
-        plan = dc_replace(plan, model=full.model_name, fingerprint=full.fingerprint())
+        plan = dc_replace(plan, **graph_fields(full))
     need = plan.prediction.memory.total_bytes
     if check_memory and need > cluster.device_memory_bytes:
         fixes, params = _memory_fixes(cfg)
@@ -276,7 +277,7 @@ def _best_plan(model, graph, cluster, *, global_batch, space, cap_bytes, time_li
             tried[cp] = None
             continue
         tried[cp] = p.prediction.iteration_time_s
-        p = dc_replace(p, model=graph.model_name, fingerprint=graph.fingerprint())
+        p = dc_replace(p, **graph_fields(graph))
         if best is None or p.prediction.iteration_time_s < best[0].prediction.iteration_time_s:
             best = (p, r)
     if best is None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["OpKind", "TensorMeta", "ParamMeta", "Op", "BlockGroup", "OpGraph", "DTYPE_BYTES"]
+__all__ = ["OpKind", "TensorMeta", "ParamMeta", "Op", "BlockGroup", "OpGraph", "DTYPE_BYTES", "is_call_of"]
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -41,6 +42,12 @@ class OpKind(str, Enum):
     INPUT = "input"  # a user input of the model (token ids, pixels)
     INDEX = "index"  # work off the gradient path: masks, positions, rotary tables
     OTHER = "other"  # known to exist, unknown to the planner: kept, priced as memory-bound, reported
+
+
+def is_call_of(op: str, module: str) -> bool:
+    """Op `op` is named after a call of `module` (`path`, or `path_N` for a later call): capture names the op
+    of a whole leaf-module call after the module, and an op inside a module's forward `path.target`."""
+    return op == module or re.fullmatch(re.escape(module) + r"_\d+", op) is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +236,25 @@ class OpGraph:
                 continue
             inputs = [alias.get(i, i) for i in op.inputs if i not in index]
             rec = [op.kind.value, op.module_path, inputs, list(op.output_meta.shape),
+                   [[p.name, list(p.shape)] for p in op.params]]
+            h.update(json.dumps(rec).encode())
+        return h.hexdigest()[:16]
+
+    def binding_ops(self) -> tuple[Op, ...]:
+        """The ops the runtime binds a plan to: those holding parameters (it places them) and those that are
+        a whole call of a module (it hooks them). Index ops are left out, as in `fingerprint`; so are the
+        parameter-free ops of a module's own forward, which run on the layouts their producers hand over."""
+        return tuple(op for op in self.ops if op.kind is not OpKind.INDEX
+                     and (op.params or is_call_of(op.name, op.module_path)))
+
+    def binding_fingerprint(self) -> str:
+        """Hash of `binding_ops` (name, kind, module, output shape, parameter names and shapes), not of edges:
+        two graphs that differ only in how a module's forward is written (another transformers version adds a
+        masked_fill inside the MoE experts) have the same binding fingerprint, and a plan made on one places
+        the other's parameters and module calls alike. Dtype-insensitive like `fingerprint` (no dtypes)."""
+        h = hashlib.sha256()
+        for op in self.binding_ops():
+            rec = [op.name, op.kind.value, op.module_path, list(op.output_meta.shape),
                    [[p.name, list(p.shape)] for p in op.params]]
             h.update(json.dumps(rec).encode())
         return h.hexdigest()[:16]

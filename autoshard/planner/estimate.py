@@ -30,7 +30,7 @@ from autoshard.planner.contract import (
 from autoshard.planner.evaluate import Evaluation, evaluate
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.manual import even_stage_layers, megatron_assignment
-from autoshard.planner.plan import SCHEDULES, OpPlan, PipelineSpec, Plan
+from autoshard.planner.plan import SCHEDULES, OpPlan, PipelineSpec, Plan, graph_fields
 from autoshard.planner.stages import balanced_stage_layers
 
 __all__ = ["HandConfig", "estimate", "check_batch", "check_context_parallel", "check_expert_parallel"]
@@ -223,7 +223,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
     pipe = PipelineSpec(degree=cfg.pp, schedule=cfg.resolved_schedule, virtual_stages=cfg.virtual_stages,
                         stage_layers=stage_layers, layered=cfg.resolved_schedule == "looped-bfs")
     ev = evaluate(graph, assign, ctx, pipe, global_batch=cfg.global_batch * cfg.cp)
-    plan = Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
+    plan = Plan(**graph_fields(graph), cluster=str(cluster), mesh=mesh,
                 global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
                 seq=graph.seq_len * cfg.cp if graph.seq_len else graph.seq_len,
                 recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",), ep=cfg.ep,

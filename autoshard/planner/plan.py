@@ -8,17 +8,21 @@ operator split. The runtime reads nothing else; `explain` reads the costs kept b
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from autoshard.capture.ir import OpGraph, OpKind, is_call_of
 from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.errors import PlanFileError
 from autoshard.planner.layouts import Layout, MeshSpec
 
 __all__ = ["ParamPlacement", "OpStrategy", "OpPlan", "PipelineSpec", "Prediction", "Plan", "PLAN_VERSION",
-           "SCHEDULES", "RECOMPUTE_MODES"]
+           "SCHEDULES", "RECOMPUTE_MODES", "graph_fields", "check_fingerprint"]
+
+log = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "looped-bfs")
@@ -170,7 +174,10 @@ class Prediction:
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     model: str
-    fingerprint: str
+    fingerprint: str  # OpGraph.fingerprint of the graph the plan was made for
+    # OpGraph.binding_fingerprint of that graph: what the runtime binds the plan to ("" in older plan files)
+    binding_fingerprint: str = ""
+    param_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (name, shape) of its parameters, by name
     cluster: str
     mesh: MeshSpec
     global_batch: int
@@ -216,6 +223,8 @@ class Plan:
     def to_json(self) -> dict:
         return {
             "version": self.version, "model": self.model, "fingerprint": self.fingerprint, "cluster": self.cluster,
+            "binding_fingerprint": self.binding_fingerprint,
+            "param_shapes": {name: list(shape) for name, shape in self.param_shapes},
             "mesh": self.mesh.to_json(), "global_batch": self.global_batch, "micro_batch": self.micro_batch,
             "seq": self.seq, "recompute": self.recompute, "pipeline": asdict(self.pipeline),
             "space": list(self.space), "solve_time_s": self.solve_time_s, "attention": self.attention,
@@ -237,6 +246,9 @@ class Plan:
             pipe = {**pipe, "stage_layers": tuple(tuple(x) for x in pipe.get("stage_layers", ()))}
             return cls(
                 version=d["version"], model=d["model"], fingerprint=d["fingerprint"], cluster=d["cluster"],
+                binding_fingerprint=str(d.get("binding_fingerprint") or ""),
+                param_shapes=tuple((name, tuple(int(x) for x in shape))
+                                   for name, shape in (d.get("param_shapes") or {}).items()),
                 mesh=MeshSpec.from_json(d["mesh"]), global_batch=int(d["global_batch"]),
                 micro_batch=int(d["micro_batch"]), seq=d.get("seq"), recompute=d.get("recompute", "none"),
                 pipeline=PipelineSpec(**pipe), space=tuple(d.get("space", ())),
@@ -277,3 +289,96 @@ class Plan:
             raise PlanFileError(f"plan file {path} is not valid JSON ({exc}); regenerate it with "
                                 "`autoshard plan`") from exc
         return cls.from_json(data, source=f"plan file {path}")
+
+
+_SHOWN = 3  # differences an error names
+
+
+def graph_fields(graph: OpGraph) -> dict[str, str | tuple[tuple[str, tuple[int, ...]], ...]]:
+    """What a plan records of the graph it is made for: `Plan(**graph_fields(graph), ...)`."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for op in graph.ops:
+        for p in op.params:
+            shapes.setdefault(p.name, p.shape)
+    return {"model": graph.model_name, "fingerprint": graph.fingerprint(),
+            "binding_fingerprint": graph.binding_fingerprint(), "param_shapes": tuple(sorted(shapes.items()))}
+
+
+def check_fingerprint(plan: Plan, graph: OpGraph, *, exact: bool = False) -> None:
+    """Refuse a plan made for another model, naming what differs.
+
+    The plan applies to its own graph, and to one whose binding fingerprint is the plan's: the same ops
+    holding parameters and the same module calls, all the runtime binds a plan to; the rest differs only
+    inside modules' own forwards (another transformers version writes them differently), which the plan
+    does not place. `exact`: only the plan's own graph will do (pricing needs a strategy for every op)."""
+    if plan.fingerprint == graph.fingerprint() or not (plan.fingerprint or exact):
+        return
+    if not exact and plan.binding_fingerprint and plan.binding_fingerprint == graph.binding_fingerprint():
+        log.warning("this model's graph (fingerprint %s) differs from the plan's (%s) only in parameter-free "
+                    "ops inside modules (%s), as another transformers version may write them; the plan does "
+                    "not place those ops, so it applies, but its predicted figures were priced on its own "
+                    "graph", graph.fingerprint(), plan.fingerprint, _unplaced_differences(plan, graph))
+        return
+    found = _binding_differences(plan, graph) or [_unnamed_difference(plan, graph, exact=exact)]
+    more = f"; and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+    raise PlanFileError(f"the plan was made for another graph (fingerprint {plan.fingerprint or 'none'}, "
+                        f"this model's {graph.fingerprint()}): {'; '.join(found[:_SHOWN])}{more}; "
+                        "re-plan for this model")
+
+
+def _binding_differences(plan: Plan, graph: OpGraph) -> list[str]:
+    """How the ops the plan binds to differ from the graph's binding ops, in graph order."""
+    planned = {p.op: p for p in plan.ops if p.strategy.params or is_call_of(p.op, p.module)}
+    ops = {op.name: op for op in graph.binding_ops()}
+    shapes = dict(plan.param_shapes)
+    out = []
+    for name, op in ops.items():
+        p = planned.get(name)
+        if p is None:
+            out.append(f"op {name} (module {op.module_path or 'root'}) is in the model only")
+            continue
+        if p.kind != op.kind.value or p.module != op.module_path:
+            out.append(f"op {name} is a {p.kind} of {p.module or 'root'} in the plan, a {op.kind.value} of "
+                       f"{op.module_path or 'root'} in the model")
+        in_plan, in_model = sorted(pp.name for pp in p.strategy.params), sorted(pm.name for pm in op.params)
+        if in_plan != in_model:
+            out.append(f"op {name} holds {', '.join(in_plan) or 'no parameters'} in the plan, "
+                       f"{', '.join(in_model) or 'none'} in the model")
+        out.extend(f"parameter {pm.name} of op {name} is {_shape(shapes[pm.name])} in the plan, "
+                   f"{_shape(pm.shape)} in the model"
+                   for pm in op.params if pm.name in shapes and shapes[pm.name] != pm.shape)
+    out.extend(f"op {name} (module {p.module or 'root'}) is in the plan only"
+               for name, p in planned.items() if name not in ops)
+    if not out and plan.seq and graph.seq_len and plan.seq != graph.seq_len:
+        out.append(f"the plan is for sequences of {plan.seq} tokens, the model's inputs have {graph.seq_len}")
+    return out
+
+
+def _unnamed_difference(plan: Plan, graph: OpGraph, *, exact: bool) -> str:
+    """Why the graphs differ when the ops the plan binds to agree as far as the plan records them."""
+    unplaced = _unplaced_differences(plan, graph)
+    if exact:
+        return (f"parameter-free ops inside modules differ ({unplaced}) and pricing needs a strategy for "
+                "each op")
+    if not plan.binding_fingerprint:
+        return (f"parameter-free ops inside modules differ ({unplaced}); the plan does not place them, but "
+                "it was made by an older autoshard, which records only the whole graph's fingerprint")
+    return ("the output shapes of the module calls or parameter ops it places differ (the plan records "
+            "parameter shapes only)")
+
+
+def _unplaced_differences(plan: Plan, graph: OpGraph) -> str:
+    """The parameter-free ops one graph has and the other lacks, as far as the plan's ops tell (it keeps
+    no index ops and no shapes)."""
+    planned = {p.op for p in plan.ops}
+    model_only = [op.name for op in graph.ops
+                  if op.kind not in (OpKind.INPUT, OpKind.INDEX) and op.name not in planned]
+    names = {op.name for op in graph.ops}
+    plan_only = [p.op for p in plan.ops if p.op not in names]
+    parts = [f"{len(found)} op{'s' * (len(found) > 1)} only in the {where}, e.g. {found[0]}"
+             for found, where in ((model_only, "model"), (plan_only, "plan")) if found]
+    return ", and ".join(parts) or "the same ops, with other shapes or inputs"
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return f"({', '.join(map(str, shape))})"

@@ -11,7 +11,7 @@ from autoshard.planner.evaluate import op_sites, sink_layout
 from autoshard.planner.ilp import solver_name
 from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.opcost import edge_cost, grad_partial_axes, op_cost
-from autoshard.planner.plan import OpPlan, OpStrategy, Plan
+from autoshard.planner.plan import OpPlan, OpStrategy, Plan, graph_fields
 from autoshard.planner.search import SearchResult, allowed, candidate_context, search
 from autoshard.planner.strategies import strategies_in
 from autoshard.planner.template import template_for
@@ -86,7 +86,7 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
     if cand.cp > 1:  # the plan as it runs: dp and cp apart, whole sequences (planner/estimate.py)
         dp = mesh.degree("dp") // cand.cp
         mesh = MeshSpec.of(**{a: d for a, d in mesh.axes if a != "dp"}, **({"dp": dp} if dp > 1 else {}), cp=cand.cp)
-    return Plan(model=graph.model_name, fingerprint=graph.fingerprint(), cluster=str(cluster), mesh=mesh,
+    return Plan(**graph_fields(graph), cluster=str(cluster), mesh=mesh,
                 global_batch=global_batch // cand.cp, micro_batch=cand.micro_batch,
                 seq=graph.seq_len * cand.cp if graph.seq_len else graph.seq_len,
                 recompute=cand.recompute, pipeline=cand.pipe, ops=tuple(ops), prediction=result.evaluation.prediction,

@@ -11,7 +11,7 @@ from dataclasses import replace
 from autoshard.capture.ir import OpGraph
 from autoshard.errors import PlanFileError
 from autoshard.planner.evaluate import Evaluation, evaluate
-from autoshard.planner.plan import Plan
+from autoshard.planner.plan import Plan, check_fingerprint
 from autoshard.planner.prediction import context_for
 
 __all__ = ["price_plan"]
@@ -25,9 +25,8 @@ def price_plan(plan: Plan, graph: OpGraph, cluster) -> tuple[Plan, Evaluation]:
         if graph.seq_len is None or graph.seq_len * cp != plan.seq:
             raise PlanFileError(f"plan {plan.model} is context parallel over {cp} ranks: price it on its rank-local "
                                 f"graph, captured at {plan.seq // cp} tokens (this one has {graph.seq_len})")
-    elif plan.fingerprint != graph.fingerprint():
-        raise PlanFileError(f"plan {plan.model} was made for another graph (fingerprint {plan.fingerprint}, "
-                            f"this one {graph.fingerprint()}); re-plan it")
+    else:
+        check_fingerprint(plan, graph, exact=True)
     assign = {p.op: p.strategy for p in plan.ops}
     ev = evaluate(graph, assign, context_for(plan, cluster, graph), plan.pipeline,
                   global_batch=plan.global_batch * cp)

@@ -107,7 +107,7 @@ def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_
             if graph is None:
                 check_plan_on_rank0(plan, model, inputs)
             else:
-                check_fingerprint(plan, graph.fingerprint())
+                check_fingerprint(plan, graph)
         _check_job(plan, num_ranks, global_batch)
         if device_type == "cuda":
             model.to(torch.device("cuda", torch.cuda.current_device()))

@@ -128,7 +128,7 @@ def check_plan_on_rank0(plan: Plan, model: nn.Module, example_inputs: tuple) -> 
 
     def check() -> None:
         if plan.fingerprint:
-            check_fingerprint(plan, capture(model, example_inputs).fingerprint())
+            check_fingerprint(plan, capture(model, example_inputs))
 
     _broadcast_outcome(check)
 

@@ -13,15 +13,14 @@ is not a module).
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from autoshard.capture.ir import OpGraph, OpKind
+from autoshard.capture.ir import OpGraph, OpKind, is_call_of
 from autoshard.errors import PlanFileError
 from autoshard.planner.layouts import FEAT, Layout
-from autoshard.planner.plan import OpPlan, ParamPlacement, Plan
+from autoshard.planner.plan import OpPlan, ParamPlacement, Plan, check_fingerprint
 
 __all__ = ["ModuleSpec", "module_specs", "sent_layout", "is_call_of", "param_owners", "producers_of", "check_fingerprint"]
 
@@ -50,11 +49,6 @@ class ModuleSpec:
     # of the model), None when the model's own code consumes it too (local shards: whether gradients may come
     # back as partial sums)
     module_consumers: tuple[str, ...] | None = None
-
-
-def is_call_of(op: str, module: str) -> bool:
-    """Op `op` is named after a call of `module` (`path`, or `path_N` for a later call)."""
-    return op == module or re.fullmatch(re.escape(module) + r"_\d+", op) is not None
 
 
 def _is_module_call(op_plan: OpPlan, leaves: set[str]) -> bool:
@@ -99,21 +93,14 @@ def _local_params(model: nn.Module, module: nn.Module, op_plan: OpPlan) -> dict[
 
 def producers_of(plan: Plan, graph: OpGraph | None = None) -> dict[str, tuple[str, ...]]:
     """op -> its producer ops, in input order: from the plan (`OpPlan.inputs`), or from `graph` when given
-    (checked against the plan's fingerprint first)."""
+    (checked against the plan's fingerprint first: `check_fingerprint`)."""
     if graph is not None:
-        check_fingerprint(plan, graph.fingerprint())
+        check_fingerprint(plan, graph)
         return {op.name: op.inputs for op in graph.ops}
     if plan.ops and not any(p.inputs for p in plan.ops):
         raise PlanFileError("the plan does not name the producers of its ops (it was made by an older autoshard); "
                             "regenerate it with `autoshard plan ... -o plan.json`")
     return {p.op: p.inputs for p in plan.ops}
-
-
-def check_fingerprint(plan: Plan, fingerprint: str) -> None:
-    """A plan applies only to the model it was made for (same ops, shapes, parameters and edges)."""
-    if plan.fingerprint and plan.fingerprint != fingerprint:
-        raise PlanFileError(f"the plan was made for a model with fingerprint {plan.fingerprint}, this model's "
-                            f"graph has {fingerprint}; re-plan for this model")
 
 
 def _consumers(producers: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
