@@ -96,16 +96,16 @@ def test_the_recompute_predicate_names_exactly_the_ops_op_cost_recomputes(attent
         for name, strategies in prep.strategies.items():
             op = graph.op(name)
             priced = op_cost(op, strategies[0], prep.ctx, **sites[name]).recompute_s > 0
-            assert repeats_forward(op, cand.recompute, sites[name]["selective_keep"], graph.seq_len) == priced, \
-                (cand.recompute, name)
+            assert repeats_forward(op, cand.recompute, sites[name]["selective_keep"], graph.seq_len,
+                                   not_recomputed=sites[name]["not_recomputed"]) == priced, (cand.recompute, name)
     assert seen == {"none", "selective", "full"}
 
 
 def _rows(problem) -> list[tuple]:
-    """Each constraint as (sense, rhs, {variable: coefficient}), per-stage variables (Ef_3, Sg_3, R_3, ...) named
+    """Each constraint as (sense, rhs, {variable: coefficient}), per-stage variables (Ef_3, Sg_3, R_3, Fh_3, ...) named
     without their stage, so that the same row written for two stages compares equal."""
     def name(v):
-        return re.sub(r"^(Ef|Eb|Et|S|Sg|R)_\d+$", r"\1", v.name)
+        return re.sub(r"^(Ef|Eb|Et|S|Sg|R|Fh|Bh)_\d+$", r"\1", v.name)
     return [(c.sense, round(-c.constant, 12), {name(v): round(a, 12) for v, a in c.items()})
             for c in problem.lp.constraints.values()]
 

@@ -39,6 +39,7 @@ class TimeBreakdown:
     """Seconds of one training iteration on the critical path, by cause."""
 
     compute_s: float = 0.0  # forward, backward and recompute kernels
+    host_bound_s: float = 0.0  # the GPU idle while its host issues kernels that take less time than that
     exposed_comm_s: float = 0.0  # communication not hidden behind compute
     bubble_s: float = 0.0  # pipeline fill and drain
     optimizer_s: float = 0.0  # optimizer step

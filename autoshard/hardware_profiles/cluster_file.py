@@ -43,7 +43,7 @@ YAML_KEYS = ("nodes", "gpus_per_node", "gpu", "intra", "inter", "memory_gib")
 _NUMBERS = ("peak_tflops", "fp32_tflops", "hbm_gbps", "memory_gib", "num_sms", "max_gemm_efficiency")
 _NUMBERS += ("hbm_efficiency", "kernel_launch_us", "gpus_per_node", "latency_us", "overlap_slowdown",
              "dtensor_us_per_op", "flash_attention_efficiency", "memory_efficient_attention_efficiency",
-             "fsdp_us_per_module", "optimizer_us_per_tensor", "sync_us", "transcendental_gelem_per_s",
+             "fsdp_us_per_module", "optimizer_us_per_tensor", "sync_us", "transcendental_gelem_per_s", "host_us_per_op",
              "sustained_tensor_fraction")
 
 

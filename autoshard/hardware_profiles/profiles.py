@@ -11,10 +11,13 @@ from pathlib import Path
 import yaml
 
 __all__ = ["GPUProfile", "LinkProfile", "COLLECTIVES", "load_gpu", "load_link", "gpu_names", "link_names",
-           "PROFILE_DIR"]
+           "PROFILE_DIR", "CAUSAL_MAX_EFFICIENCY"]
 
 PROFILE_DIR = Path(__file__).parent
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+# A causal attention kernel computes half the score matrix the cost model counts its FLOPs on: at most twice
+# the fraction of peak the hardware reaches
+CAUSAL_MAX_EFFICIENCY = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +30,7 @@ class GPUProfile:
     num_sms: int  # streaming multiprocessors (wave quantization of GEMM tiles)
     max_gemm_efficiency: float  # fraction of peak the largest bf16 GEMMs reach (measured)
     hbm_efficiency: float  # fraction of HBM bandwidth a streaming kernel reaches (measured)
-    kernel_launch_us: float  # fixed cost per kernel
+    kernel_launch_us: float  # fixed device time per kernel (on CPU ranks: per op, the host being the device)
     gpus_per_node: int  # the usual node (DGX A100: 8)
     intra_node: str  # default intra-node link profile name
     inter_node: str  # default network profile name
@@ -36,8 +39,10 @@ class GPUProfile:
     # profiles: one NIC port needs its line rate from one x16 PCIe slot (gen3 ~12, gen4 ~24, gen5 ~48 GB/s,
     # NCCL src/graph/topo.cc), so 200 Gb/s HDR needs gen4 hosts (A100), 400 Gb/s NDR gen5 hosts (H100/H200).
     allowed_networks: tuple[str, ...] = ()
-    # Fused attention kernels, fraction of dense peak over forward + backward. `flash_attention_efficiency` is
-    # None where FlashAttention-2 does not run (before Ampere); SDPA then uses the memory-efficient kernel.
+    # Fused attention kernels, fraction of dense peak over forward + backward, counted on the FLOPs of the full
+    # score matrix (capture/flops.py) whatever the mask: a causal kernel skips the masked half, so its figure
+    # may reach 2 (CAUSAL_MAX_EFFICIENCY). `flash_attention_efficiency` is None where FlashAttention-2 does
+    # not run (before Ampere); SDPA then uses the memory-efficient kernel.
     flash_attention_efficiency: float | None = None
     memory_efficient_attention_efficiency: float = 0.3
     # The flash (causal) kernel's efficiency measured at several sequence lengths, ((seq, fraction), ...): a
@@ -53,8 +58,14 @@ class GPUProfile:
     # Measured GEMM throughput by shape, ((m, n, k, TFLOP/s), ...) on a grid: efficiency is interpolated in
     # it (cost_models/compute.py). Empty: max_gemm_efficiency x tile and wave quantization.
     gemm_tflops: tuple = ()
+    # Host time of one eager ATen op as autograd runs it on a GPU's host (Python, dispatcher, autograd, the
+    # launch): the host issues a phase's kernels one by one and the GPU waits for it where they take less than
+    # that (small models, small micro-batches). 0: not modeled (CPU profiles: the host is the device, and
+    # `kernel_launch_us` prices each op there). cost_models/host.py.
+    host_us_per_op: float = 0.0
     # Extra host time of one op on DTensors (sharding propagation), for plans with tensor-parallel axes: the
-    # runtime's ops run on DTensors there (runtime/parallel_module.py). Matters where the host is the device.
+    # runtime's ops run on DTensors there (runtime/parallel_module.py). Device time on CPU ranks, host time the
+    # GPU may wait for on GPUs (cost_models/host.py).
     dtensor_us_per_op: float = 0.0
     # Host time FSDP2 adds per module it manages, per micro-batch (forward and backward hooks), and of an
     # AdamW step per parameter tensor: they count where the host is the device (CPU ranks) and where a GPU
@@ -89,8 +100,9 @@ class GPUProfile:
             raise ValueError(f"GPU profile {self.name}: gemm_tflops rows are [m, n, k, TFLOP/s], all positive")
         object.__setattr__(self, "flash_attention_by_seq",
                            tuple(sorted((int(r[0]), float(r[1])) for r in self.flash_attention_by_seq)))
-        if any(s <= 0 or not 0 < e <= 1 for s, e in self.flash_attention_by_seq):
-            raise ValueError(f"GPU profile {self.name}: flash_attention_by_seq rows are [seq > 0, fraction in (0, 1]]")
+        if any(s <= 0 or not 0 < e <= CAUSAL_MAX_EFFICIENCY for s, e in self.flash_attention_by_seq):
+            raise ValueError(f"GPU profile {self.name}: flash_attention_by_seq rows are [seq > 0, fraction in "
+                             f"(0, {CAUSAL_MAX_EFFICIENCY:g}]] (of the full score matrix's FLOPs)")
         if self.overlap_slowdown < 1:
             raise ValueError(f"GPU profile {self.name}: overlap_slowdown must be >= 1, got {self.overlap_slowdown}")
         if self.device not in ("cuda", "cpu"):
@@ -98,6 +110,9 @@ class GPUProfile:
         for name in ("peak_tflops", "fp32_tflops", "hbm_gbps", "memory_gib", "kernel_launch_us"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPU profile {self.name}: {name} must be positive")
+        for name in ("host_us_per_op", "dtensor_us_per_op", "fsdp_us_per_module", "optimizer_us_per_tensor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GPU profile {self.name}: {name} must not be negative")
         for name in ("max_gemm_efficiency", "hbm_efficiency", "memory_efficient_attention_efficiency",
                      "sustained_tensor_fraction"):
             if not 0 < getattr(self, name) <= 1:

@@ -56,7 +56,8 @@ def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict
     sites = op_sites(graph)
     kernels = {}
     for op in tg.ops:
-        again = repeats_forward(op, cand.recompute, sites[op.name]["selective_keep"], graph.seq_len)
+        again = repeats_forward(op, cand.recompute, sites[op.name]["selective_keep"], graph.seq_len,
+                                not_recomputed=sites[op.name]["not_recomputed"])
         key = ("kernels", op.name, cand.mesh.spmd_signature, ctx.on_dtensors, cand.micro_batch, again, cand.ep)
         hit = cache.get(key)
         if hit is None:

@@ -21,6 +21,10 @@ start before the backward does), one FSDP unit per block, compute slowed by the 
 while they run; the once-per-step traffic overlaps the last micro-batch's backward (gradient all-reduce,
 ZeRO-1's reduce-scatter) or the first one's forward (ZeRO-1 and -2's parameter gather) the same way, sharing
 the link with that phase's own traffic (`iteration_sync_s`).
+On a GPU each phase (a micro-batch's forward, its backward with recompute) takes the longer of its kernels and
+its host issuing them (`cost_models/host.py`, `_wait_for_host`); the optimizer step the longer of its kernels
+and its per-tensor host work. Full recompute runs a block's forward again up to where torch's checkpoint stops
+(`recompute_stops_before`).
 Tensor-parallel collectives are on the critical path (the runtime's). `PlanContext.tp_overlap` prices other
 engines (`estimate` only: the runtime cannot): "backward", Megatron-LM's asynchronous tensor-parallel
 communication, where the collective of a linear's input gradient runs beside that linear's weight-gradient
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
 from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.cost_models.compute import memory_bound_time_s
+from autoshard.cost_models.host import optimizer_host_s, separate_host
 from autoshard.cost_models.memory import (
     OPTIMIZER_PASSES,
     framework_overhead_bytes,
@@ -56,7 +61,7 @@ from autoshard.planner.template import planned_edges, stage_of, template_for
 __all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
-           "stage_units"]
+           "stage_units", "recompute_stops_before", "optimizer_s"]
 
 
 @dataclass(frozen=True)
@@ -126,15 +131,39 @@ def selective_keeps(graph: OpGraph) -> dict[str, bool]:
 
 def op_sites(graph: OpGraph) -> dict[str, dict]:
     """`op_cost` keyword arguments per op: the block input it keeps under full recompute, its FSDP unit,
-    whether selective recompute keeps its output, its place in a MoE layer."""
+    whether selective recompute keeps its output, its place in a MoE layer, whether full recompute stops
+    before it."""
     cache = graph_cache(graph)
     if "op_sites" not in cache:
         firsts, units, keeps = block_inputs(graph), dp_units(graph), selective_keeps(graph)
-        experts = expert_roles(graph)
+        experts, skipped = expert_roles(graph), recompute_stops_before(graph)
         cache["op_sites"] = {op.name: {"block_input": firsts.get(op.name), "unit_numel": units.get(op.name),
-                                       "selective_keep": keeps.get(op.name), "expert": experts.get(op.name)}
+                                       "selective_keep": keeps.get(op.name), "expert": experts.get(op.name),
+                                       "not_recomputed": op.name in skipped}
                              for op in graph.ops}
     return cache["op_sites"]
+
+
+def recompute_stops_before(graph: OpGraph) -> set[str]:
+    """Block ops full recompute does not run again: the runtime's checkpoint (torch's non-reentrant one,
+    runtime/recompute.py) stops as soon as the last tensor the block's backward needs is saved again
+    (`torch.utils.checkpoint`'s early stop). That is the block's last op keeping a tensor for backward: the ops
+    after it (the closing residual add) are never recomputed, nor is that op's own kernel where it keeps only
+    its inputs, which autograd saves before running the kernel: a matmul's (Llama's down_proj, GPT-2's
+    c_proj, whose row-parallel all-reduce is not replayed either: tests/distributed, stop 38)."""
+    cache = graph_cache(graph)
+    if "recompute_stops" not in cache:
+        last: dict[int, int] = {}
+        for i, op in enumerate(graph.ops):
+            if op.layer is not None and op.saved:
+                last[op.layer] = i
+        out = set()
+        for i, op in enumerate(graph.ops):
+            keeper = last.get(op.layer, len(graph.ops)) if op.layer is not None else len(graph.ops)
+            if i > keeper or (i == keeper and op.kind in (OpKind.LINEAR, OpKind.MATMUL)):
+                out.add(op.name)
+        cache["recompute_stops"] = out
+    return cache["recompute_stops"]
 
 
 def pipeline_fill(pipe: PipelineSpec) -> float:
@@ -184,6 +213,9 @@ class _Stage:
     recompute_peak: float = 0.0  # one block's activations, re-materialized in its backward
     p2p: float = 0.0  # seconds it waits for pipeline receives per micro-batch (`_boundaries`)
     tp_hidden: float = 0.0  # of `tp`, what runs beside weight-gradient GEMMs (tp_overlap "backward")
+    host_fwd: float = 0.0  # GPUs: host seconds issuing a micro-batch's forward (cost_models/host.py)
+    host_bwd: float = 0.0  # ... and its backward with recompute
+    host_wait: float = 0.0  # of fwd + bwd, what the GPU waits for its host per micro-batch (`_wait_for_host`)
 
 
 def _template_costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, tg):
@@ -212,6 +244,8 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st = stages[k]
             st.fwd += n * c.fwd_s
             st.bwd += n * (c.bwd_s + c.recompute_s)
+            st.host_fwd += n * c.host_fwd_s
+            st.host_bwd += n * c.host_bwd_s
             st.tp += n * (c.tp_fwd_s + c.tp_bwd_s)
             st.tp_hidden += n * _beside_wgrad(c.tp_bwd_s, op.name, op_costs, graph, ctx)
             st.dp_fwd += n * c.dp_fwd_s
@@ -243,8 +277,17 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
     units = stage_units(graph, pipe, stage)
     for k, st in enumerate(stages):
         st.units = units[k]
+        _wait_for_host(st)
     _boundaries(graph, assign, ctx, pipe, stages)
     return stages
+
+
+def _wait_for_host(st: _Stage) -> None:
+    """A phase takes the longer of its kernels and the host issuing them (cost_models/host.py): `fwd` and `bwd`
+    become that, and `host_wait` keeps what the GPU idles (0 on CPU ranks and datasheet profiles without a host
+    cost)."""
+    st.host_wait = max(0.0, st.host_fwd - st.fwd) + max(0.0, st.host_bwd - st.bwd)
+    st.fwd, st.bwd = max(st.fwd, st.host_fwd), max(st.bwd, st.host_bwd)
 
 
 def _beside_wgrad(comm_s: float, name: str, op_costs, graph: OpGraph, ctx: PlanContext) -> float:
@@ -441,13 +484,22 @@ def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: in
     steady_and_fill = max((m + fill) * t, m * t_shared)
     bubble = steady_and_fill - m * t_shared
     sync = max(iteration_sync_s(st, ctx, pipe, m) for st in stages)
-    fused, passes = ctx.fused_pointwise, OPTIMIZER_PASSES[ctx.fused_pointwise]
-    opt = max(memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision, fused=fused), ctx.gpu, kernels=passes)
-              + st.param_tensors * ctx.gpu.optimizer_us_per_tensor * 1e-6 for st in stages) / share
-    compute = m * (stages[slow].fwd + stages[slow].bwd) / share
-    breakdown = TimeBreakdown(compute_s=compute, exposed_comm_s=m * t_shared - compute + sync, bubble_s=bubble,
-                              optimizer_s=opt)
+    opt = max(optimizer_s(st, ctx) for st in stages) / share
+    busy = m * (stages[slow].fwd + stages[slow].bwd) / share
+    waits = m * stages[slow].host_wait
+    breakdown = TimeBreakdown(compute_s=busy - waits, host_bound_s=waits, exposed_comm_s=m * t_shared - busy + sync,
+                              bubble_s=bubble, optimizer_s=opt)
     return breakdown.total_s, breakdown, full
+
+
+def optimizer_s(st: _Stage, ctx: PlanContext) -> float:
+    """Seconds of the AdamW step over a stage's parameters: its kernels' HBM traffic and its per-tensor host work,
+    one after the other where the host is the device (CPU ranks), the longer of the two on a GPU
+    (cost_models/host.py)."""
+    fused, passes = ctx.fused_pointwise, OPTIMIZER_PASSES[ctx.fused_pointwise]
+    kernels = memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision, fused=fused), ctx.gpu, kernels=passes)
+    host = optimizer_host_s(st.param_tensors, ctx.gpu)
+    return max(kernels, host) if separate_host(ctx.gpu) else kernels + host
 
 
 def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) -> list[MemoryBreakdown]:

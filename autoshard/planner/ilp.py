@@ -12,14 +12,16 @@ Variables
     E_k, S_k, R_k >= 0     exposed ZeRO traffic, exposed once-per-step traffic, transient buffer of stage k
 
 Objective (iteration time; `_objective`)
-    min (m + fill)·T + max_k (S_k + Sg_k + (G_k + Gf_k)/u_k) + max_k opt_k
+    min (m + fill)·T + max_k (S_k + Sg_k + (G_k + Gf_k)/u_k) + O
 
 Constraints
     sum_s x[o,s] = 1                                                   one strategy per op      (`_strategy_vars`)
     sum_b y[e,a,b] = sum_{s: out(s)=a} x[u,s]
     sum_a y[e,a,b] = sum_{s: key_i(s)=b} x[v,s]                        edge consistency         (`_edge_vars`)
     T >= F_k + B_k + P_k + (Df_k + Db_k)/(u_k·l) + Ef_k + Eb_k + p2p_k + loss_k                (`_stage_time`)
-      F_k, B_k = sum_o n_k(o) sum_s fwd[o,s] x[o,s], resp. (bwd + recompute)[o,s]
+      F_k, B_k = sum_o n_k(o) sum_s fwd[o,s] x[o,s], resp. (bwd + recompute)[o,s]; on a GPU each replaced by
+      Fh_k >= F_k, Fh_k >= HF_k (resp. Bh_k, HB_k): the host issuing the phase's ops, the same for every
+      strategy of an op (cost_models/host.py)                                                  (`_host_floor`)
       P_k = sum_o n_k(o) sum_s tp[o,s] x[o,s] + sum_e n_k(e) sum_ab c[e,a,b] y[e,a,b]
       Df_k, Db_k = ZeRO traffic of a forward, resp. backward (gathers, reduce-scatters); l = m for layered
       accumulation (one gather per block and step), else 1; u_k = blocks of the stage (FSDP units)
@@ -37,7 +39,10 @@ Constraints
     opt_k = sum_o n_k(o) sum_s optim_state_bytes[o,s]·r x[o,s]         optimizer step: r the seconds per
                                                                        state byte of torch's AdamW passes
                                                                        or a fused Adam (`optimizer_s_per_
-                                                                       state_byte`)
+                                                                       state_byte`); O >= opt_k + H_k on
+                                                                       CPU ranks, O >= opt_k and O >= H_k on
+                                                                       a GPU, H_k the step's per-tensor
+                                                                       host work
     R_k >= trans[o,s] x[o,s]  for o in stage k                         largest gathered buffer  (`_memory`)
     sum_o sum_s (n_k(o)·(state + f·inflight_k·saved) + f·peak)[o,s] x[o,s] + 2f·R_k + f·L_k + other <= cap
                                                                        (`_memory`; L_k: the loss's buffers)
@@ -68,6 +73,7 @@ import pulp
 
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.breakdown import GIB
+from autoshard.cost_models.host import optimizer_host_s, separate_host
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
 from autoshard.planner.context import PlanContext
 from autoshard.planner.evaluate import (
@@ -268,6 +274,7 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
                 dpg.append((v, n * c.dp_iter_fwd_s))
                 opt.append((v, n * c.optim_bytes * per_state_byte))
         tp += edge_terms[k] + [t for s, t in out_terms if s == k]
+        fwd, bwd = _host_floor(lp, tg, costs, k, fwd, bwd)
         u = units[k]
         Ef = _overlap_rows(lp, f"Ef_{k}", dpf, fwd, units=u, slowdown=slow, per=per)
         Eb = _overlap_rows(lp, f"Eb_{k}", dpb, bwd, units=u, slowdown=slow, per=per)
@@ -283,8 +290,29 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
         dpg = [(v, c) for v, c in dpg if c]
         Sg = [_overlap_rows(lp, f"Sg_{k}", dpg, fwd, units=u, slowdown=slow)] if dpg else []
         syncs.append(([S, *Sg], [(v, c / u) for v, c in dpit + dpg]))
-        opts.append(opt)
+        opts.append((opt, optimizer_host_s(sum(n * tensors for n, tensors in _stage_tensors(tg, k)), ctx.gpu)))
     return T, syncs, opts
+
+
+def _stage_tensors(tg: TemplateGraph, k: int):
+    """(instances on stage k, parameter tensors the optimizer steps through) per template op."""
+    return [(tg.per_stage[op.name][k], sum(1 for p in op.params if p.owner)) for op in tg.ops]
+
+
+def _host_floor(lp, tg, costs, k: int, fwd, bwd):
+    """On a GPU a phase takes at least its host time (cost_models/host.py; the same for every strategy of an op):
+    (F, B) as variables Fh >= F, Fh >= host forward and Bh likewise, or the term lists unchanged where the host
+    costs nothing (CPU ranks)."""
+    host_f = sum(tg.per_stage[op.name][k] * costs[op.name][0].host_fwd_s for op in tg.ops)
+    host_b = sum(tg.per_stage[op.name][k] * costs[op.name][0].host_bwd_s for op in tg.ops)
+    if not host_f and not host_b:
+        return fwd, bwd
+    out = []
+    for name, terms, host in ((f"Fh_{k}", fwd, host_f), (f"Bh_{k}", bwd, host_b)):
+        V = _var(lp, name, lowBound=host)
+        lp += pulp.LpConstraint(_aff([(V, 1.0)] + [(v, -c) for v, c in terms]), pulp.LpConstraintGE, rhs=0)
+        out.append([(V, 1.0)])
+    return out[0], out[1]
 
 
 def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize, loss_bytes):
@@ -404,8 +432,13 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
         for s_k, first in syncs:
             lp += pulp.LpConstraint(_aff([(S, 1.0)] + [(e, -1.0) for e in s_k] + [(v, -c) for v, c in first]),
                                     pulp.LpConstraintGE, rhs=0)
-        for o in opts:
-            lp += pulp.LpConstraint(_aff([(O, 1.0)] + [(v, -c) for v, c in o]), pulp.LpConstraintGE, rhs=0)
+        for o, host in opts:  # the step's kernels and its per-tensor host work: in turn on CPU ranks, the
+            # longer of the two on a GPU (evaluate.optimizer_s)
+            apart = separate_host(ctx.gpu)
+            lp += pulp.LpConstraint(_aff([(O, 1.0)] + [(v, -c) for v, c in o]), pulp.LpConstraintGE,
+                                    rhs=0.0 if apart else host)
+            if apart:
+                lp += pulp.LpConstraint(_aff([(O, 1.0)]), pulp.LpConstraintGE, rhs=host)
         lp.setObjective(_aff([(T, ctx.num_microbatches + fill), (S, 1.0), (O, 1.0)]))
     return Problem(graph=graph, lp=lp, template=tg, strategies=strategies, costs=costs, x=x, memory_exprs=mem, time_var=T)
 

@@ -37,6 +37,7 @@ from autoshard.cost_models.expert_parallel import (
     ep_load_imbalance,
     grouped_gemm_rows,
 )
+from autoshard.cost_models.host import BACKWARD_DISPATCHES, forward_host_s, hooks_host_s, separate_host
 from autoshard.cost_models.memory import model_state_bytes, tensor_bytes
 from autoshard.cost_models.zero_impl import gathers_overlap, zero3_gather_s
 from autoshard.planner.context import PlanContext
@@ -76,6 +77,9 @@ class OpCost:
     dp_sync_s: float = 0.0
     # once per iteration, in the first forward: ZeRO-1 and -2 gather the parameters, kept until the last backward
     dp_iter_fwd_s: float = 0.0
+    # GPUs: host seconds issuing the op's forward, and its backward incl. recompute (cost_models/host.py)
+    host_fwd_s: float = 0.0
+    host_bwd_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -160,6 +164,8 @@ def _compute_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     kernel and gradient)."""
     fwd, bwd = _kernels_s(op, st, ctx)
     gpu = ctx.gpu
+    if separate_host(gpu):  # dispatch, DTensor and FSDP2 costs are the host's, which the GPU may wait for (`_host_s`)
+        return fwd, bwd
     if gpu.device == "cpu":  # the host is the device: views dispatch too (on a GPU the host runs ahead)
         views = op.views * gpu.kernel_launch_us * 1e-6
         fwd, bwd = fwd + views, bwd + views
@@ -415,12 +421,14 @@ def _norm_stats_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, f
     return t, t, [("all_reduce", nb)] * (2 * stats)
 
 
-def repeats_forward(op: Op, recompute: str, selective_keep: bool | None, seq: int | None) -> bool:
-    """Whether recompute mode `recompute` runs `op`'s forward again in backward (`op_cost` gives it a
-    recompute time): full recompute every block op; selective recompute, with a fused attention kernel, the
-    block ops whose outputs it does not keep, else the ops that save score-shaped tensors."""
+def repeats_forward(op: Op, recompute: str, selective_keep: bool | None, seq: int | None, *,
+                    not_recomputed: bool = False) -> bool:
+    """Whether recompute mode `recompute` runs `op`'s forward kernels again in backward (`op_cost` gives it a
+    recompute time): full recompute every block op up to where the checkpoint stops (`not_recomputed`);
+    selective recompute, with a fused attention kernel, the block ops whose outputs it does not keep, else the
+    ops that save score-shaped tensors."""
     if recompute == "full":
-        return op.layer is not None
+        return op.layer is not None and not not_recomputed
     if recompute != "selective":
         return False
     if op.layer is not None and selective_keep is not None:
@@ -430,13 +438,14 @@ def repeats_forward(op: Op, recompute: str, selective_keep: bool | None, seq: in
 
 def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta | None = None,
             unit_numel: float | None = None, selective_keep: bool | None = None, expert: ExpertRole | None = None,
-            memo: dict | None = None) -> OpCost:
+            not_recomputed: bool = False, memo: dict | None = None) -> OpCost:
     """Cost of `op` under `st`. `block_input`: for the first op of a repeated block under full recompute,
     the block input it keeps (everything else in the block is recomputed). `unit_numel`: the parameters of
     the sharded-DP unit (block) the op belongs to (`evaluate.dp_units`). `selective_keep`: in a graph with a
     fused attention kernel, whether selective recompute keeps this block op's output (`evaluate.selective_keeps`);
     None: selective recompute drops score-shaped tensors (materialized attention). `expert`: the op's place in a
     MoE layer (`contract.expert_roles`), where expert parallelism moves and unbalances its rows.
+    `not_recomputed`: full recompute stops before the op (`evaluate.recompute_stops_before`).
     `memo`: a dict shared by calls on one graph and cluster (the search's), which keeps what a context cannot
     change: everything but recompute's part across recompute modes, kernel times across data-parallel and
     pipeline degrees (they depend only on whether there is one), parameter traffic across micro-batches."""
@@ -455,7 +464,8 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
     first_keeps = 0.0 if block_input is None else tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(
         1, _deg(lay, ctx, (BATCH, SEQ, FEAT)))
     if ctx.recompute == "full" and op.layer is not None:
-        recompute, peak, kept = fwd + tp_f, kept + dropped, first_keeps
+        # an op the checkpoint stops before still gathers its 2D / 3D weight first (the module's pre-forward)
+        recompute, peak, kept = (tp_f if not_recomputed else fwd + tp_f), kept + dropped, first_keeps
         dp_s *= 1.5  # an implementation that waits for its gathers fetches again for the recompute forward
     elif ctx.recompute == "selective" and op.layer is not None and selective_keep is not None:
         peak = kept + dropped
@@ -472,7 +482,8 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
         # statistics, a context-parallel attention's K/V, a MoE layer's dispatch and combine
         comm = (*comm, *_tp_forward_comm(op, st, ctx), *_cp_forward_comm(op, st, ctx),
                 *_ep_forward_comm(op, ctx, expert))
-    return OpCost(fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
+    host_f, host_b = _host_s(op, ctx, recomputed=bool(recompute))
+    return OpCost(host_fwd_s=host_f, host_bwd_s=host_b,fwd_s=fwd, bwd_s=bwd, tp_fwd_s=tp_f, tp_bwd_s=tp_b, dp_fwd_s=dp_f, dp_bwd_s=dp_b,
                   dp_iter_s=dp_i, recompute_s=recompute, param_bytes=states[0], grad_bytes=states[1],
                   optim_bytes=states[2], saved_bytes=kept, transient_bytes=transient,
                   comm=comm, recompute_peak_bytes=peak, iter_comm=iter_comm, dp_sync_s=dp_s, dp_iter_fwd_s=dp_g)
@@ -505,6 +516,20 @@ def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float 
         tp_f, tp_b, comm = tp_f + ef, tp_b + eb, comm + ecomm
     return (fwd + copy_f, bwd + copy_b, tp_f + nf, tp_b + nb, dp, states, transient,
             tuple(comm + ncomm), tuple(iter_comm), kept, dropped)
+
+
+def _host_s(op: Op, ctx: PlanContext, *, recomputed: bool) -> tuple[float, float]:
+    """(forward, backward) host seconds of the op on a GPU (cost_models/host.py): its ATen dispatches, on
+    DTensors where the plan runs ops on them, and FSDP2's hooks if it holds parameters (FSDP2 wraps every such
+    module on GPUs, on a one-rank dp group too, to cast its parameters: runtime/precision.py); a recomputed
+    op's forward again in backward. (0, 0) where the host is the device (CPU ranks)."""
+    gpu = ctx.gpu
+    if not separate_host(gpu):
+        return 0.0, 0.0
+    fwd = forward_host_s(op.dispatches, gpu, on_dtensors=ctx.on_dtensors)
+    hooks = hooks_host_s(gpu) / 2 if any(p.owner for p in op.params) else 0.0
+    bwd = BACKWARD_DISPATCHES * fwd + hooks + (fwd + hooks if recomputed else 0.0)
+    return fwd + hooks, bwd
 
 
 def _imbalance(ctx: PlanContext, expert: ExpertRole) -> float:

@@ -10,7 +10,9 @@ time: a step adds its operations' times) and then the median over ranks.
 
     gemm        TFLOP/s of (m x k) @ (k x n) over a grid of shapes, in the training dtype (bf16 on GPUs,
                 fp32 on CPU ranks): the cost model interpolates in it (`GPUProfile.gemm_tflops`)
-    memory      GB/s of a streaming kernel (read + write) and the cost of one tiny kernel (dispatch + launch)
+    memory      GB/s of a streaming kernel (read + write); the cost of one tiny op as training issues it (on
+                GPUs the host's time per op, `host_us_per_op`; on CPU ranks the op's time, `kernel_launch_us`),
+                and on GPUs the device's time per tiny kernel queued back to back (`kernel_launch_us`)
     attention   scaled_dot_product_attention forward + backward, causal (also by sequence length) and masked:
                 fraction of peak
     host        per ATen op as autograd runs it; the extra of an op on DTensors (tensor-parallel plans and
@@ -40,6 +42,8 @@ from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
+
+from autoshard.hardware_profiles.profiles import CAUSAL_MAX_EFFICIENCY
 
 __all__ = ["profile_cluster", "median_profile", "merge_rounds", "GRIDS"]
 
@@ -156,7 +160,8 @@ def _gemm(c: _Ctx) -> list[list[float]]:
 
 
 def _memory(c: _Ctx) -> tuple[float, float]:
-    """(GB/s of a large elementwise add counting read + write, seconds of one tiny kernel)."""
+    """(GB/s of a large elementwise add counting read + write, seconds of one tiny op as training issues it:
+    host-bound, so on a GPU the host's time per op, on CPU ranks the op's time)."""
     n = (64 << 20) // 4
     x, y = torch.randn(n, device=c.device), torch.randn(n, device=c.device)
     out = torch.empty_like(x)
@@ -173,6 +178,24 @@ def _memory(c: _Ctx) -> tuple[float, float]:
 
     per_op = c.busy(chain) / 200
     return gbps, per_op
+
+
+def _kernel_device_s(c: _Ctx) -> float:
+    """GPU seconds per tiny kernel run back to back: 500 of them queued while a sleep kernel holds the GPU
+    (the host is done issuing before it ends), timed between CUDA events; the median of three."""
+    x = torch.ones(16, device=c.device)
+    n, times = 500, []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(c.device)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles
+        start.record()
+        for _ in range(n):
+            x.add_(1.0)
+        end.record()
+        torch.cuda.synchronize(c.device)
+        times.append(start.elapsed_time(end) / 1e3 / n)
+    return statistics.median(times)
 
 
 def _transcendental(c: _Ctx) -> float:
@@ -206,7 +229,9 @@ def _attention(c: _Ctx, peak_tflops: float) -> tuple[float, float, list[list[flo
         def step():
             y = F.scaled_dot_product_attention(q, k, v, **kwargs)  # (b, h, s, d)
             y.sum().backward()
-        return min(1.0, 4 * b * h * s * s * d * 3.5 / c.busy(step) / (peak_tflops * 1e12))
+        # a causal kernel skips half the matrix these FLOPs count: up to CAUSAL_MAX_EFFICIENCY (profiles.py)
+        cap = CAUSAL_MAX_EFFICIENCY if kwargs.get("is_causal") else 1.0
+        return min(cap, 4 * b * h * s * s * d * 3.5 / c.busy(step) / (peak_tflops * 1e12))
 
     s = 512 if cpu else 4096  # one of ATTENTION_SEQS: the causal figure is the curve's point there
     mask = torch.ones(s, s, device=c.device, dtype=torch.bool).tril()
@@ -585,6 +610,7 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
              f"torch {torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d}{', --quick' if quick else ''}")
     gemm = _gemm(c)
     gbps, per_op = _memory(c)
+    kernel_s = per_op if c.device.type == "cpu" else _kernel_device_s(c)  # CPU ranks: the host is the device
     transcendental = _transcendental(c) if c.device.type == "cpu" else 0.0
     c.say("memory bandwidth and kernel cost")
     name, mem_gib, sms, known = _device_facts(c)
@@ -621,7 +647,8 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
     gpu = {"name": name, "device": device.type, "peak_tflops": round(peak, 6), "fp32_tflops": round(peak, 6),
            "hbm_gbps": round(gbps, 3), "memory_gib": mem_gib, "num_sms": sms,
            "max_gemm_efficiency": round(min(1.0, best / peak), 4), "hbm_efficiency": 1.0,
-           "kernel_launch_us": round(per_op * 1e6, 3), "gpus_per_node": c.per_node,
+           "kernel_launch_us": round(kernel_s * 1e6, 3), "gpus_per_node": c.per_node,
+           "host_us_per_op": 0.0 if c.device.type == "cpu" else round(per_op * 1e6, 3),
            "intra_node": link_names[0], "inter_node": link_names[1],
            "flash_attention_efficiency": round(causal, 4),
            "memory_efficient_attention_efficiency": round(masked, 4), "flash_attention_by_seq": causal_by_seq,
@@ -629,7 +656,7 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
            "dtensor_us_per_op": round(dtensor, 3), "fsdp_us_per_module": round(fsdp, 3),
            "optimizer_us_per_tensor": round(optim, 3), "transcendental_gelem_per_s": round(transcendental, 5),
            "gemm_tflops": gemm,
-           "sources": {k: src for k in ("peak_tflops", "hbm_gbps", "kernel_launch_us", "gemm_tflops",
+           "sources": {k: src for k in ("peak_tflops", "hbm_gbps", "kernel_launch_us", "host_us_per_op", "gemm_tflops",
                                         "flash_attention_efficiency", "flash_attention_by_seq",
                                         "overlap_slowdown", "dtensor_us_per_op",
                                         "fsdp_us_per_module", "optimizer_us_per_tensor", "num_sms",

@@ -126,7 +126,8 @@ def _profile(out: Path, timeout_s: float) -> dict:
     import yaml
 
     gpu = yaml.safe_load(path.read_text())["gpu"]
-    keys = ("name", "peak_tflops", "hbm_gbps", "kernel_launch_us", "flash_attention_by_seq", "dtensor_us_per_op",
+    keys = ("name", "peak_tflops", "hbm_gbps", "kernel_launch_us", "host_us_per_op", "flash_attention_by_seq",
+            "dtensor_us_per_op",
             "fsdp_us_per_module", "optimizer_us_per_tensor")
     best = max(row[3] for row in gpu["gemm_tflops"])
     return {"ok": True, "file": str(path), "wall_s": wall, "best_gemm_tflops": best,
@@ -280,7 +281,8 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {what} | failed: {r.get('error', '').strip().splitlines()[-1:]} | |")
     prof = report["profile"]
     lines += ["", "Profile (`autoshard profile --quick`, one rank): " + (
-        f"best GEMM {prof['best_gemm_tflops']:.3g} TFLOP/s, host per op {prof['kernel_launch_us']} us, flash "
+        f"best GEMM {prof['best_gemm_tflops']:.3g} TFLOP/s, {prof['hbm_gbps']:.4g} GB/s, host per op "
+        f"{prof['host_us_per_op']} us, device per tiny kernel {prof['kernel_launch_us']} us, flash "
         f"attention by length {prof['flash_attention_by_seq']}, FSDP2 per module {prof['fsdp_us_per_module']} us, "
         f"AdamW per tensor {prof['optimizer_us_per_tensor']} us, {prof['wall_s']:.0f} s." if prof.get("ok")
         else f"failed: {prof.get('error', '')[-300:]}"), ""]
