@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 _RUNTIME_NAMES = ("autoparallel", "save_checkpoint", "load_checkpoint")
 # imported on first use: `autoshard --help` and `import autoshard.cli` must not import torch (issue 17)
-_LAZY_NAMES = {"plan": "autoshard.api", "ClusterSpec": "autoshard.hardware_profiles", "Plan": "autoshard.planner.plan"}
+_LAZY_NAMES = {"plan": "autoshard.api", "ClusterSpec": "autoshard.hardware_profiles", "Plan": "autoshard.plans.plan"}
 
 
 def __getattr__(name: str):

@@ -6,9 +6,9 @@ from dataclasses import replace as dc_replace
 
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.models.names import is_zoo_or_spec, resolve_spec
-from autoshard.planner.contract import expert_parallel_degrees, num_experts
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.planner.plan import graph_fields
+from autoshard.plans.contract import expert_parallel_degrees, num_experts
+from autoshard.plans.plan import graph_fields
 
 __all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph"]
 

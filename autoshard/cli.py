@@ -104,7 +104,7 @@ def _warnings(pred, cluster, plan=None) -> list[str]:
 
 
 def _attention_kernel(plan) -> str:
-    from autoshard.planner.contract import ATTENTION_KERNELS
+    from autoshard.plans.contract import ATTENTION_KERNELS
 
     return ATTENTION_KERNELS.get(plan.attention, plan.attention or "unknown")
 
@@ -269,7 +269,7 @@ def _cluster_or_none(text: str):
 
 def _cmd_explain(args) -> int:
     from autoshard.planner.explain import explain_groups, explain_rows, explain_text
-    from autoshard.planner.plan import Plan
+    from autoshard.plans.plan import Plan
 
     plan = Plan.load(args.plan)
     shown = {"layer": args.layer, "op": args.op}

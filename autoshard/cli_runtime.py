@@ -23,7 +23,7 @@ def require_torchrun(command: str) -> None:
 
 def measure_command(args, emit) -> int:
     require_torchrun("measure")
-    from autoshard.planner.plan import Plan
+    from autoshard.plans.plan import Plan
     from autoshard.runtime.measure import measure_plan
     from autoshard.runtime.mesh import shutdown_distributed
 

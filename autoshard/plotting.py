@@ -19,17 +19,17 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from autoshard.cost_models.breakdown import GIB
 from autoshard.errors import ConfigurationError
 from autoshard.planner.explain import batch_label
-from autoshard.planner.plan import OpPlan, Plan, Prediction
+from autoshard.plans.breakdown import GIB
+from autoshard.plans.plan import OpPlan, Plan, Prediction
 
 __all__ = ["plot_plan", "FIGSIZE_IN", "DPI"]
 
 FIGSIZE_IN = (16.0, 10.0)
 DPI = 110
 
-# Strategy families (autoshard/planner/strategies.py); follow-op layout names ("tp:S(seq)") get _FOLLOW_COLORS.
+# Strategy families (autoshard/plans/strategies.py); follow-op layout names ("tp:S(seq)") get _FOLLOW_COLORS.
 _FAMILY_COLORS = {"replicate": "#d0d0d0", "col": "#1f77b4", "col+sp": "#17becf", "row": "#ff7f0e",
                   "vocab": "#9467bd", "2d": "#2ca02c", "3d-yz": "#d62728", "3d-zy": "#e377c2"}
 _FAMILY_NOTES = {"replicate": "no tensor parallelism", "col": "column-parallel", "col+sp": "column + sequence par.",

@@ -67,7 +67,7 @@ def make_plans() -> dict:
     from dist_plans import make_plan
 
     from autoshard.capture import capture
-    from autoshard.planner.layouts import MeshSpec
+    from autoshard.plans.layouts import MeshSpec
 
     ids, _ = global_batches()[0]
     graph = capture(build_model(), (ids[:2],))

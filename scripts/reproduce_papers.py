@@ -60,7 +60,7 @@ def _graph(spec: str, *, loss_inside: bool = True):
 
 
 def _mesh(family: str, n: int):
-    from autoshard.planner.layouts import MeshSpec
+    from autoshard.plans.layouts import MeshSpec
 
     if family == "1d":
         return MeshSpec.of(tp=n), 1
@@ -76,9 +76,9 @@ def _assignment(graph, family: str, mesh, b: int):
     """Megatron 1D over every GPU, or every Linear 2D / 3D with the rest chosen by the ILP."""
     from autoshard.planner.ilp import build_problem, extract_assignment, solve
     from autoshard.planner.manual import megatron_assignment
-    from autoshard.planner.plan import PipelineSpec
-    from autoshard.planner.strategies import strategies_for
     from autoshard.planner.template import template_for
+    from autoshard.plans.plan import PipelineSpec
+    from autoshard.plans.strategies import strategies_for
 
     if family == "1d":
         return lambda ctx: megatron_assignment(graph, mesh, b)
@@ -103,7 +103,7 @@ def tensor_family(graph, cluster, family: str, *, batch: int, recompute: str = "
     (Prediction or None, micro-batch)."""
     from autoshard.planner.context import PlanContext, default_precision
     from autoshard.planner.evaluate import evaluate
-    from autoshard.planner.plan import PipelineSpec
+    from autoshard.plans.plan import PipelineSpec
 
     mesh, shard = _mesh(family, cluster.num_gpus)
     best = (None, 0)
@@ -124,7 +124,7 @@ def max_batch(graph, cluster, family: str, recompute: str = "full") -> int:
     """Largest batch processed at once (one micro-batch) that fits in memory."""
     from autoshard.planner.context import PlanContext, default_precision
     from autoshard.planner.evaluate import evaluate
-    from autoshard.planner.plan import PipelineSpec
+    from autoshard.plans.plan import PipelineSpec
 
     mesh, shard = _mesh(family, cluster.num_gpus)
     fits = 0

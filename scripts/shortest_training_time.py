@@ -47,8 +47,8 @@ def _divisors(n: int) -> list[int]:
 
 def _pipes(graph, pp: int, schedules, layers: int):
     from autoshard.planner.bounds import block_costs
-    from autoshard.planner.plan import PipelineSpec
     from autoshard.planner.stages import balanced_stage_layers
+    from autoshard.plans.plan import PipelineSpec
 
     if pp == 1:
         yield PipelineSpec()
@@ -73,8 +73,8 @@ def best_step(graph, cluster, batch: int, schedules, *, tp: int = 8) -> Best | N
     from autoshard.planner.bounds import memory_lower_bound_bytes, time_lower_bound_s
     from autoshard.planner.context import PlanContext, default_precision
     from autoshard.planner.evaluate import evaluate, inflight_microbatches, pipeline_fill
-    from autoshard.planner.layouts import MeshSpec
     from autoshard.planner.manual import megatron_assignment
+    from autoshard.plans.layouts import MeshSpec
 
     n, layers, prec = cluster.num_gpus, graph.num_layers, default_precision(cluster)
     cap = cluster.device_memory_bytes

@@ -31,7 +31,7 @@ REDUCE = "FSDP::post_backward_reduce"
 
 
 def main() -> None:
-    from autoshard.planner.plan import Plan
+    from autoshard.plans.plan import Plan
     from autoshard.runtime.entry import autoparallel
     from autoshard.runtime.measure import _build, _cluster_of, synthetic_batch, training_loss
 

@@ -177,7 +177,7 @@ def _local_graph(model: str, cp: int):
 def _hand_made(graph, family: str):
     from dist_plans import make_plan
 
-    from autoshard.planner.layouts import MeshSpec
+    from autoshard.plans.layouts import MeshSpec
 
     if family == "2d":
         return make_plan(graph, MeshSpec.of(tp_r=2, tp_c=2), "2d", global_batch=BATCH)
@@ -233,7 +233,7 @@ def worker(plans_path: str, out_path: str, repeats: int, steps: int, warmup: int
     import torch.distributed as dist
 
     from autoshard.hardware_profiles import ClusterSpec
-    from autoshard.planner.plan import Plan
+    from autoshard.plans.plan import Plan
     from autoshard.runtime.measure import measure_plan
     from autoshard.runtime.mesh import init_distributed
 
@@ -343,8 +343,8 @@ def write_report(summary: dict, args, elapsed_s: float) -> None:
 def reprice(entries: list[dict]) -> None:
     """Every entry's prediction (the planner's choices too) on the profile files as they are now."""
     from autoshard.hardware_profiles import ClusterSpec
-    from autoshard.planner.plan import Plan
     from autoshard.planner.reprice import price_plan
+    from autoshard.plans.plan import Plan
 
     graphs = _graphs()
     for e in entries:

@@ -12,8 +12,8 @@ import pytest
 from autoshard.api import capture_ref, estimate_config
 from autoshard.cost_models.context_parallel import head_tail_chunks, ring_exposed_s
 from autoshard.errors import ConfigurationError
-from autoshard.planner.contract import kv_head_fraction
 from autoshard.planner.prediction import predicted_step_comm
+from autoshard.plans.contract import kv_head_fraction
 
 # grouped-query attention: 4 key/value heads of 16
 LLAMA = "llama:layers=4,hidden=1024,heads=16,kv_heads=4,ffn=2816,vocab=32000,seq={seq}"

@@ -11,9 +11,9 @@ from autoshard.models import load_model
 from autoshard.planner.context import PlanContext
 from autoshard.planner.estimate import HandConfig, estimate
 from autoshard.planner.evaluate import dp_units, op_sites, selective_keeps
-from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.opcost import op_cost
-from autoshard.planner.strategies import strategies_for
+from autoshard.plans.layouts import MeshSpec
+from autoshard.plans.strategies import strategies_for
 
 LLAMA = "llama:layers=4,hidden=256,heads=4,ffn=688,seq=128,vocab=512"
 
@@ -47,7 +47,7 @@ def test_once_per_step_traffic_hides_where_the_runtime_issues_it_on_a_link_its_p
     """ZeRO-1/2's gather overlaps the first forward, ZeRO-0/1's reduction the last backward, each sharing the link
     with that phase's own traffic: a free link hides all but the first unit, a saturated one nothing."""
     from autoshard.planner.evaluate import _Stage, iteration_sync_s
-    from autoshard.planner.plan import PipelineSpec
+    from autoshard.plans.plan import PipelineSpec
 
     cluster = ClusterSpec.parse("1x8xA100-80GB")
     ctx = PlanContext(mesh=MeshSpec.of(dp=8), cluster=cluster, micro_batch=1, num_microbatches=4)
@@ -477,7 +477,7 @@ def test_interleaved_stages_hold_the_warmup_forwards_torchs_schedule_runs_before
     from torch.distributed.pipelining.schedules import _get_warmup_ops
 
     from autoshard.planner.evaluate import inflight_microbatches
-    from autoshard.planner.plan import PipelineSpec
+    from autoshard.plans.plan import PipelineSpec
 
     pipe = PipelineSpec(degree=p, schedule="interleaved-1f1b", virtual_stages=v)
     per_round = m // max(1, m // p)

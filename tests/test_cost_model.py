@@ -20,9 +20,9 @@ from autoshard.hardware_profiles import ClusterSpec, load_gpu
 from autoshard.models import load_model
 from autoshard.planner.context import PlanContext
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, Layout, MeshSpec, layout
 from autoshard.planner.opcost import edge_cost, op_cost
-from autoshard.planner.plan import OpStrategy, ParamPlacement
+from autoshard.plans.layouts import BATCH, FEAT, IN, OUT, PARTIAL, Layout, MeshSpec, layout
+from autoshard.plans.plan import OpStrategy, ParamPlacement
 
 DGX = ClusterSpec.parse("1x8xA100-80GB")
 TWO_NODES = ClusterSpec.parse("2x8xA100-80GB")

@@ -18,7 +18,7 @@ from autoshard.errors import (
     PlanFileError,
 )
 from autoshard.hardware_profiles import ClusterSpec
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 
 HERE = Path(__file__).resolve().parent
 BAD_MODEL = '''import torch

@@ -13,8 +13,8 @@ import pytest
 from autoshard.api import capture_ref, estimate_config
 from autoshard.cost_models.expert_parallel import EXPERT_LOAD_CV, ep_load_imbalance, expected_max_normal
 from autoshard.errors import ConfigurationError
-from autoshard.planner.contract import expert_parallel_degrees, expert_roles, num_experts
 from autoshard.planner.prediction import predicted_step_comm
+from autoshard.plans.contract import expert_parallel_degrees, expert_roles, num_experts
 
 # 4 layers, 8 experts of ffn 1,024, top-2: small enough to capture in seconds
 MOE = "mixtral:layers=4,hidden=512,heads=8,kv_heads=8,ffn=1024,vocab=8000,seq=512,experts=8,top_k=2"
@@ -113,7 +113,7 @@ def test_cli_estimate_ep_prints_json_and_rejects_a_bad_degree_with_exit_2():
 
 
 def test_an_expert_parallel_plan_round_trips_through_json(tmp_path):
-    from autoshard.planner.plan import Plan
+    from autoshard.plans.plan import Plan
 
     plan, _ = _estimate(4)
     path = tmp_path / "ep.json"
@@ -146,9 +146,9 @@ def test_explain_describes_an_expert_parallel_plan(tmp_path):
 def test_the_experts_and_the_router_are_planned_replicated_on_tensor_parallel_axes():
     """The runtime runs them on plain tensors, replicated on tp (runtime/expert_parallel.py): no strategy
     that splits them is offered, while attention keeps its column / row splits."""
-    from autoshard.planner.contract import is_expert_weight, tp_replicated_ops
-    from autoshard.planner.layouts import MeshSpec
-    from autoshard.planner.strategies import strategies_in
+    from autoshard.plans.contract import is_expert_weight, tp_replicated_ops
+    from autoshard.plans.layouts import MeshSpec
+    from autoshard.plans.strategies import strategies_in
 
     graph = capture_ref(MOE)
     replicated = tp_replicated_ops(graph)
@@ -182,8 +182,8 @@ def test_a_gradient_reduction_is_shared_only_by_consumers_that_hand_back_a_parti
     (none here) is shared by both."""
     from autoshard.hardware_profiles.cluster import ClusterSpec
     from autoshard.planner.context import PlanContext
-    from autoshard.planner.layouts import Layout, MeshSpec
     from autoshard.planner.opcost import edge_cost
+    from autoshard.plans.layouts import Layout, MeshSpec
 
     graph = capture_ref(MOE)
     meta = graph.op("model.layers.0.post_attention_layernorm").output_meta

@@ -11,7 +11,7 @@ import pytest
 from autoshard.api import estimate_config
 from autoshard.errors import PlanFileError
 from autoshard.planner.explain import batch_label, block_table, explain_groups, explain_rows, explain_text
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"
 LONG_NAME = "transformer.h.*.attn.scaled_dot_product_attention"  # 50 characters: used to be cut to 44 or 46

@@ -88,9 +88,9 @@ def test_falcon_fused_qkv_is_a_linear_never_split_across_more_ranks_than_its_hea
 
     from autoshard.capture import capture
     from autoshard.capture.ir import OpKind
-    from autoshard.planner.contract import projection_head_slices
-    from autoshard.planner.layouts import OUT, MeshSpec
-    from autoshard.planner.strategies import strategies_for
+    from autoshard.plans.contract import projection_head_slices
+    from autoshard.plans.layouts import OUT, MeshSpec
+    from autoshard.plans.strategies import strategies_for
 
     torch.manual_seed(0)
     model = T.FalconForCausalLM(T.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
@@ -155,7 +155,7 @@ def test_a_block_list_whose_first_block_differs_is_never_pipelined_and_estimate_
     # identical blocks; before, the search's pipeline candidates indexed layer 2 of a 2-layer partition (KeyError).
     # Four tokens: the graph unrolls RWKV's recurrence per token, and what matters here is the block list
     from autoshard.api import load_graph
-    from autoshard.planner.contract import pipeline_blocker
+    from autoshard.plans.contract import pipeline_blocker
 
     graph = load_graph("tests.factory_models:default_rwkv", seq=4)
     assert [b.count for b in graph.blocks] == [2]

@@ -68,9 +68,9 @@ def test_full_recompute_stops_before_the_last_matmul_of_a_llama_block_and_the_cl
     extra = full.prediction.time.compute_s - none.prediction.time.compute_s
     down = [op for op in graph.ops if op.name.endswith("mlp.down_proj")]
     from autoshard.planner.context import PlanContext
-    from autoshard.planner.layouts import MeshSpec
     from autoshard.planner.opcost import kernel_times_s
-    from autoshard.planner.strategies import strategies_for
+    from autoshard.plans.layouts import MeshSpec
+    from autoshard.plans.strategies import strategies_for
 
     ctx = PlanContext(mesh=MeshSpec.of(), cluster=cluster, micro_batch=1)
 

@@ -1,20 +1,21 @@
-"""Data flows one way: models -> capture -> (cost_models <- hardware_profiles) -> planner -> runtime; only the
-runtime imports torch.distributed (STYLE.md rule 1)."""
+"""Data flows one way: models -> capture -> hardware_profiles -> plans -> cost_models -> planner -> runtime /
+measure; only the runtime and measure import torch.distributed (STYLE.md rule 1)."""
 
 import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "autoshard"
-ORDER = ["errors", "models", "capture", "hardware_profiles", "cost_models", "planner", "runtime", "measure"]
+ORDER = ["errors", "models", "capture", "hardware_profiles", "plans", "cost_models", "planner", "runtime", "measure"]
 # what each layer may import from the package (besides itself and errors)
 ALLOWED = {
     "models": set(),
     "capture": {"models"},
     "hardware_profiles": set(),
-    "cost_models": {"capture", "hardware_profiles"},
-    "planner": {"models", "capture", "hardware_profiles", "cost_models"},
-    "runtime": {"models", "capture", "hardware_profiles", "cost_models", "planner"},
-    "measure": {"models", "capture", "hardware_profiles", "cost_models", "planner", "runtime"},
+    "plans": {"models", "capture", "hardware_profiles"},
+    "cost_models": {"capture", "hardware_profiles", "plans"},
+    "planner": {"models", "capture", "hardware_profiles", "plans", "cost_models"},
+    "runtime": {"models", "capture", "hardware_profiles", "plans", "cost_models", "planner"},
+    "measure": {"models", "capture", "hardware_profiles", "plans", "cost_models", "planner", "runtime"},
 }
 # the top: the command line, the entry points and the validation checks may use every part; no part imports them
 TOP = ("cli", "cli_runtime", "api", "validation")

@@ -14,8 +14,8 @@ from autoshard.capture import capture
 from autoshard.errors import PlanFileError
 from autoshard.hardware_profiles import ClusterSpec
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.planner.plan import Plan
 from autoshard.planner.reprice import price_plan
+from autoshard.plans.plan import Plan
 from autoshard.runtime.specs import check_fingerprint, module_specs
 
 HIDDEN = 8
@@ -66,7 +66,7 @@ def test_a_plan_applies_with_one_warning_to_a_graph_that_differs_only_in_a_param
     model = Net(scaled=True)
     scaled = graph_of(model)
     assert scaled.fingerprint() != plan.fingerprint
-    with caplog.at_level("WARNING", logger="autoshard.planner.plan"):
+    with caplog.at_level("WARNING", logger="autoshard.plans.plan"):
         check_fingerprint(plan, scaled)
         specs = module_specs(plan, scaled, model)  # the runtime's own path: producers read off the graph
     warnings = [r.getMessage() for r in caplog.records if "parameter-free ops" in r.getMessage()]
@@ -81,7 +81,7 @@ def test_a_plan_applies_with_one_warning_to_a_graph_that_differs_only_in_a_param
 
 def test_the_plan_applies_silently_to_its_own_graph(made, caplog):
     plan, graph = made
-    with caplog.at_level("WARNING", logger="autoshard.planner.plan"):
+    with caplog.at_level("WARNING", logger="autoshard.plans.plan"):
         check_fingerprint(plan, graph_of(Net()))
     assert not caplog.records
     assert plan.binding_fingerprint == graph.binding_fingerprint()

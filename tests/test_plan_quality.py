@@ -39,7 +39,7 @@ def test_the_grid_baseline_offers_only_pipeline_schedules_the_runtime_runs():
     from autoshard.api import capture_ref
     from autoshard.hardware_profiles.cluster import ClusterSpec
     from autoshard.planner.baselines import compute_baselines
-    from autoshard.planner.contract import schedule_blocker
+    from autoshard.plans.contract import schedule_blocker
 
     cluster = ClusterSpec.parse("128x8xA100-80GB")
     graph = capture_ref("gpt:layers=60,hidden=10240,heads=80,seq=2048,vocab=51200")

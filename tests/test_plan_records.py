@@ -7,7 +7,7 @@ from torch import nn
 
 from autoshard.api import estimate_config, plan
 from autoshard.errors import ConfigurationError
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 
 GPT = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
 

@@ -8,7 +8,7 @@ import pytest
 
 from autoshard.api import estimate_config, plan, plan_with_baselines
 from autoshard.errors import InfeasiblePlanError
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 
 
 def linear_strategies(p: Plan) -> collections.Counter:

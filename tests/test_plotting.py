@@ -11,10 +11,10 @@ from matplotlib.image import imread
 
 from autoshard import plotting
 from autoshard.api import estimate_config, plan_with_baselines
-from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.errors import ConfigurationError
-from autoshard.planner.layouts import Layout, MeshSpec
-from autoshard.planner.plan import OpPlan, OpStrategy, Plan, Prediction
+from autoshard.plans.breakdown import MemoryBreakdown, TimeBreakdown
+from autoshard.plans.layouts import Layout, MeshSpec
+from autoshard.plans.plan import OpPlan, OpStrategy, Plan, Prediction
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HEIGHT_PX, WIDTH_PX = round(plotting.FIGSIZE_IN[1] * plotting.DPI), round(plotting.FIGSIZE_IN[0] * plotting.DPI)

@@ -165,7 +165,7 @@ class OpGraph:
     unknown_ops: tuple[str, ...] = ()  # ATen targets classified OpKind.OTHER (reported, never dropped)
     tied_params: tuple[tuple[str, str], ...] = ()  # (alias, owner) for shared parameters
     root_type: str = ""  # class of the captured module
-    root_kwargs: tuple[str, ...] = ()  # the parameter names of its forward (planner/contract.py reads them)
+    root_kwargs: tuple[str, ...] = ()  # the parameter names of its forward (plans/contract.py reads them)
     capture_s: float = 0.0
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 

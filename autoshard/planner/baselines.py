@@ -19,16 +19,16 @@ from autoshard.capture.ir import OpGraph
 from autoshard.errors import ConfigurationError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import pipeline_blocker, schedule_blocker
 from autoshard.planner.evaluate import evaluate, inflight_microbatches
 from autoshard.planner.explain import batch_label
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
-from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.manual import megatron_assignment
-from autoshard.planner.plan import PipelineSpec, Prediction
 from autoshard.planner.stages import balanced_stage_layers
-from autoshard.planner.strategies import strategies_in
 from autoshard.planner.template import template_for
+from autoshard.plans.contract import pipeline_blocker, schedule_blocker
+from autoshard.plans.layouts import MeshSpec
+from autoshard.plans.plan import PipelineSpec, Prediction
+from autoshard.plans.strategies import strategies_in
 
 __all__ = ["Baseline", "BASELINES", "compute_baselines"]
 

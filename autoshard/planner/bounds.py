@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.cost_models.compute import FLASH_BACKWARD_FLOPS_FACTOR, max_attention_efficiency
 from autoshard.cost_models.memory import Precision, model_state_bytes, tensor_bytes
-from autoshard.planner.cache import graph_cache
 from autoshard.planner.opcost import score_shaped
-from autoshard.planner.strategies import PLANNED_KINDS
+from autoshard.plans.strategies import PLANNED_KINDS
 
 __all__ = ["GraphTotals", "graph_totals", "time_lower_bound_s", "memory_lower_bound_bytes", "block_costs",
            "knapsack_lp_min"]

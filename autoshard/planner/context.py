@@ -18,7 +18,7 @@ from autoshard.cost_models.comm import (
 from autoshard.cost_models.context_parallel import CP_ATTENTION
 from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION, BF16_MIXED, FP32, Precision
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
-from autoshard.planner.layouts import MeshSpec
+from autoshard.plans.layouts import MeshSpec
 
 __all__ = ["PlanContext", "default_precision", "TP_OVERLAP"]
 

@@ -19,7 +19,10 @@ from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.planner.bounds import block_costs
 from autoshard.planner.context import TP_OVERLAP, PlanContext, default_precision
-from autoshard.planner.contract import (
+from autoshard.planner.evaluate import Evaluation, evaluate
+from autoshard.planner.manual import even_stage_layers, megatron_assignment
+from autoshard.planner.stages import balanced_stage_layers
+from autoshard.plans.contract import (
     attention_head_counts,
     attention_kernel,
     kv_head_fraction,
@@ -27,11 +30,8 @@ from autoshard.planner.contract import (
     pipeline_blocker,
     projection_head_slices,
 )
-from autoshard.planner.evaluate import Evaluation, evaluate
-from autoshard.planner.layouts import MeshSpec
-from autoshard.planner.manual import even_stage_layers, megatron_assignment
-from autoshard.planner.plan import SCHEDULES, OpPlan, PipelineSpec, Plan, graph_fields
-from autoshard.planner.stages import balanced_stage_layers
+from autoshard.plans.layouts import MeshSpec
+from autoshard.plans.plan import SCHEDULES, OpPlan, PipelineSpec, Plan, graph_fields
 
 __all__ = ["HandConfig", "estimate", "check_batch", "check_context_parallel", "check_expert_parallel"]
 

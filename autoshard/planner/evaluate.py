@@ -37,8 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
-from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.cost_models.compute import memory_bound_time_s
 from autoshard.cost_models.host import optimizer_host_s, separate_host
 from autoshard.cost_models.memory import (
@@ -49,14 +49,14 @@ from autoshard.cost_models.memory import (
     tensor_bytes,
 )
 from autoshard.cost_models.overlap import exposed_beside_s, exposed_comm_s
-from autoshard.planner.cache import graph_cache
 from autoshard.planner.context import PlanContext
-from autoshard.planner.contract import expert_roles
-from autoshard.planner.layouts import BATCH, SEQ, Layout
 from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost, score_shaped
-from autoshard.planner.plan import OpStrategy, PipelineSpec, Prediction
-from autoshard.planner.strategies import same_strategy
 from autoshard.planner.template import planned_edges, stage_of, template_for
+from autoshard.plans.breakdown import MemoryBreakdown, TimeBreakdown
+from autoshard.plans.contract import expert_roles
+from autoshard.plans.layouts import BATCH, SEQ, Layout
+from autoshard.plans.plan import OpStrategy, PipelineSpec, Prediction
+from autoshard.plans.strategies import same_strategy
 
 __all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",

@@ -11,7 +11,7 @@ import fnmatch
 from dataclasses import dataclass, replace
 
 from autoshard.errors import PlanFileError
-from autoshard.planner.plan import OpPlan, Plan
+from autoshard.plans.plan import OpPlan, Plan
 
 __all__ = ["LayerGroup", "batch_label", "block_table", "explain_groups", "explain_rows", "explain_text",
            "layer_groups", "layer_pattern"]

@@ -72,7 +72,6 @@ from typing import NamedTuple
 import pulp
 
 from autoshard.capture.ir import OpGraph
-from autoshard.cost_models.breakdown import GIB
 from autoshard.cost_models.host import optimizer_host_s, separate_host
 from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
 from autoshard.planner.context import PlanContext
@@ -84,12 +83,13 @@ from autoshard.planner.evaluate import (
     sink_layout,
     stage_units,
 )
-from autoshard.planner.layouts import Layout
 from autoshard.planner.opcost import OpCost, edge_cost, grad_partial_axes, op_cost
-from autoshard.planner.physical import physical_key
-from autoshard.planner.plan import OpStrategy, PipelineSpec
-from autoshard.planner.strategies import rebind
 from autoshard.planner.template import TemplateGraph, template_for
+from autoshard.plans.breakdown import GIB
+from autoshard.plans.layouts import Layout
+from autoshard.plans.physical import physical_key
+from autoshard.plans.plan import OpStrategy, PipelineSpec
+from autoshard.plans.strategies import rebind
 
 __all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "relaxation_bound",
            "extract_assignment", "expand_assignment", "edge_time_s", "optimizer_s_per_state_byte",

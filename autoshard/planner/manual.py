@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import functools
 
+from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.errors import ConfigurationError
-from autoshard.planner.cache import graph_cache
-from autoshard.planner.layouts import FEAT, REPLICATE, SEQ, Layout, MeshSpec
-from autoshard.planner.plan import OpStrategy, PipelineSpec
-from autoshard.planner.strategies import fits, rebind, strategies_in, with_dp
 from autoshard.planner.template import template_for
+from autoshard.plans.layouts import FEAT, REPLICATE, SEQ, Layout, MeshSpec
+from autoshard.plans.plan import OpStrategy, PipelineSpec
+from autoshard.plans.strategies import fits, rebind, strategies_in, with_dp
 
 __all__ = ["megatron_assignment", "tp_origins", "even_stage_layers"]
 

@@ -41,9 +41,9 @@ from autoshard.cost_models.host import BACKWARD_DISPATCHES, forward_host_s, hook
 from autoshard.cost_models.memory import model_state_bytes, tensor_bytes
 from autoshard.cost_models.zero_impl import gathers_overlap, zero3_gather_s
 from autoshard.planner.context import PlanContext
-from autoshard.planner.contract import ExpertRole, is_expert_weight
-from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
-from autoshard.planner.plan import OpStrategy
+from autoshard.plans.contract import ExpertRole, is_expert_weight
+from autoshard.plans.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
+from autoshard.plans.plan import OpStrategy
 
 __all__ = ["OpCost", "EdgeCost", "op_cost", "kernel_times_s", "repeats_forward", "edge_cost", "grad_partial_axes", "score_shaped"]
 

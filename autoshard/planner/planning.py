@@ -6,15 +6,15 @@ import math
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext
-from autoshard.planner.contract import attention_kernel
 from autoshard.planner.evaluate import op_sites, sink_layout
 from autoshard.planner.ilp import solver_name
-from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.opcost import edge_cost, grad_partial_axes, op_cost
-from autoshard.planner.plan import OpPlan, OpStrategy, Plan, graph_fields
 from autoshard.planner.search import SearchResult, allowed, candidate_context, search
-from autoshard.planner.strategies import strategies_in
 from autoshard.planner.template import template_for
+from autoshard.plans.contract import attention_kernel
+from autoshard.plans.layouts import MeshSpec
+from autoshard.plans.plan import OpPlan, OpStrategy, Plan, graph_fields
+from autoshard.plans.strategies import strategies_in
 
 __all__ = ["make_plan", "runner_ups", "plan_from_result"]
 

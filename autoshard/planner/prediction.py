@@ -11,11 +11,11 @@ from dataclasses import replace
 
 from autoshard.capture.ir import OpGraph
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import expert_ops, kv_head_fraction
 from autoshard.planner.evaluate import Evaluation, cut_bytes, evaluate
-from autoshard.planner.plan import Plan
-from autoshard.planner.strategies import same_strategy
 from autoshard.planner.template import template_for
+from autoshard.plans.contract import expert_ops, kv_head_fraction
+from autoshard.plans.plan import Plan
+from autoshard.plans.strategies import same_strategy
 
 __all__ = ["context_for", "priced_graph", "evaluate_plan", "predicted_step_comm", "predicted_p2p_bytes",
            "predicted_param_bytes"]

@@ -11,8 +11,8 @@ from dataclasses import replace
 from autoshard.capture.ir import OpGraph
 from autoshard.errors import PlanFileError
 from autoshard.planner.evaluate import Evaluation, evaluate
-from autoshard.planner.plan import Plan, check_fingerprint
 from autoshard.planner.prediction import context_for
+from autoshard.plans.plan import Plan, check_fingerprint
 
 __all__ = ["price_plan"]
 

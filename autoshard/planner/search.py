@@ -29,13 +29,6 @@ from autoshard.errors import InfeasiblePlanError
 from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.planner.candidate_bound import compute_bound_s, edge_times, knapsack_bounds
 from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.contract import (
-    expert_parallel_degrees,
-    kv_head_fraction,
-    largest_head_divisor,
-    pipeline_blocker,
-    schedule_blocker,
-)
 from autoshard.planner.evaluate import (
     Evaluation,
     evaluate,
@@ -45,12 +38,19 @@ from autoshard.planner.evaluate import (
     selective_keeps,
 )
 from autoshard.planner.ilp import build_problem, expand_assignment, relaxation_bound, solve
-from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.opcost import op_cost
-from autoshard.planner.plan import SCHEDULES, OpStrategy, PipelineSpec
 from autoshard.planner.stages import balanced_stage_layers
-from autoshard.planner.strategies import strategies_in
 from autoshard.planner.template import template_for
+from autoshard.plans.contract import (
+    expert_parallel_degrees,
+    kv_head_fraction,
+    largest_head_divisor,
+    pipeline_blocker,
+    schedule_blocker,
+)
+from autoshard.plans.layouts import MeshSpec
+from autoshard.plans.plan import SCHEDULES, OpStrategy, PipelineSpec
+from autoshard.plans.strategies import strategies_in
 
 __all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search", "parse_space", "allowed",
            "candidate_context"]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import Op, OpGraph, TensorMeta
-from autoshard.planner.cache import graph_cache
-from autoshard.planner.contract import tp_replicated_ops
-from autoshard.planner.plan import PipelineSpec
-from autoshard.planner.strategies import PLANNED_KINDS
+from autoshard.plans.contract import tp_replicated_ops
+from autoshard.plans.plan import PipelineSpec
+from autoshard.plans.strategies import PLANNED_KINDS
 
 __all__ = ["TemplateEdge", "TemplateGraph", "build_template", "template_for", "planned_edges", "stage_of"]
 

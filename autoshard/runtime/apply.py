@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.memory import Precision
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.runtime.context_parallel import apply_context_parallel
 from autoshard.runtime.data_parallel import (
     apply_operator_splitting,

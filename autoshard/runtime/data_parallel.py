@@ -52,7 +52,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoshard.cost_models.memory import FP32, Precision
 from autoshard.errors import ConfigurationError, RuntimeSetupError
-from autoshard.planner.layouts import IN
+from autoshard.plans.layouts import IN
 from autoshard.runtime.precision import fsdp_policy
 from autoshard.runtime.specs import ModuleSpec, param_owners
 from autoshard.runtime.split import SplitLinear, split_linear

@@ -18,7 +18,7 @@ from torch import nn
 
 from autoshard.capture.export import positional_inputs
 from autoshard.errors import ConfigurationError, RuntimeSetupError
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.runtime.apply import apply_plan
 from autoshard.runtime.failure import align_group_timeouts, distributed_phase
 from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, build_device_mesh, init_distributed

@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autoshard.planner.layouts import BATCH, PARTIAL, Layout
-from autoshard.planner.plan import Plan
+from autoshard.plans.layouts import BATCH, PARTIAL, Layout
+from autoshard.plans.plan import Plan
 from autoshard.runtime.parallel_module import RuntimeState
 from autoshard.runtime.specs import ModuleSpec, is_call_of, producers_of, sent_layout
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard.errors import ConfigurationError, RuntimeSetupError
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 
 __all__ = ["StepTimes", "MeasuredPlan", "measure_plan", "model_ref", "synthetic_batch", "training_loss"]
 

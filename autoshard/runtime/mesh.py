@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoshard.errors import RuntimeSetupError
-from autoshard.planner.layouts import MeshSpec
+from autoshard.plans.layouts import MeshSpec
 
 __all__ = ["init_distributed", "build_device_mesh", "backend_for", "DEFAULT_TIMEOUT_S", "tp_mesh_names",
            "tensor_parallel_mesh", "replicate_mesh", "expert_parallel_meshes"]
@@ -121,7 +121,7 @@ def check_context_parallel_mesh(spec: MeshSpec) -> None:
 def context_parallel_group(spec: MeshSpec, *, device_type: str = "cpu"):
     """(process group, this rank's index in it) of this rank's cp group on a mesh with a cp axis: the ranks
     at its tensor-parallel position in one dp replica, cp just inside dp and outside the tensor-parallel
-    axes (planner/layouts.py). Call on every rank."""
+    axes (plans/layouts.py). Call on every rank."""
     check_context_parallel_mesh(spec)
     shape = (spec.degree("dp"), spec.degree("cp"), spec.tp_degree)
     names = ("dp", "cp", "cp_tp")

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard.capture.export import training_outputs
 from autoshard.errors import ConfigurationError
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.runtime.context_parallel import head_tail_positions, shard_sequence
 from autoshard.runtime.dtensor_ext import SPMDMode
 from autoshard.runtime.tensor_parallel import from_local_shard

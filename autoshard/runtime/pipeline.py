@@ -51,9 +51,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoshard.cost_models.memory import FP32, Precision
 from autoshard.errors import ConfigurationError, PlanFileError, RuntimeSetupError
-from autoshard.planner.contract import schedule_blocker
-from autoshard.planner.layouts import SEQ, MeshSpec
-from autoshard.planner.plan import Plan
+from autoshard.plans.contract import schedule_blocker
+from autoshard.plans.layouts import SEQ, MeshSpec
+from autoshard.plans.plan import Plan
 from autoshard.runtime.apply import _statistics_parallel_norms, materializes_scores
 from autoshard.runtime.data_parallel import (
     apply_operator_splitting,

@@ -10,7 +10,7 @@ How a chunk runs. The tensor-parallel runtime acts by replacing the `forward` of
 (tensor_parallel.py) and keeps the user's parameter objects, so a chunk must run the model's own modules,
 not a traced copy (`torch.distributed.pipelining.pipeline` over `torch.export` makes new module objects).
 Any model whose forward takes `inputs_embeds=` (every decoder in `transformers`) is cut generically: its one
-list of repeated blocks is found in the model (planner/contract.py states the rule for the planner), the
+list of repeated blocks is found in the model (plans/contract.py states the rule for the planner), the
 modules that own parameters are assigned to the first or the last chunk by the order a forward calls them,
 and a chunk runs the model's *own* forward with the list holding only its blocks: chunk 0 on the inputs,
 a later chunk on `inputs_embeds=h` with its first block's hidden-states argument replaced by `h` (so nothing
@@ -34,7 +34,7 @@ from torch import nn
 
 from autoshard.capture.export import training_outputs
 from autoshard.errors import ConfigurationError
-from autoshard.planner.contract import OWN_PIPELINE_CLASSES, PIPELINE_ENTRY
+from autoshard.plans.contract import OWN_PIPELINE_CLASSES, PIPELINE_ENTRY
 
 __all__ = ["ChunkFamily", "PipelineChunk", "TiedCopy", "family_of", "build_chunks", "prune_model",
            "untie_across_chunks", "SUPPORTED_CLASSES"]

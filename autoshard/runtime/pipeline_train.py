@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from autoshard.errors import ConfigurationError
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.runtime.data_parallel import set_microbatch
 from autoshard.runtime.failure import distributed_phase
 from autoshard.runtime.pipeline_split import ChunkFamily, PipelineChunk, TiedCopy

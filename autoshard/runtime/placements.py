@@ -1,7 +1,7 @@
 """Semantic layouts on named axes -> DTensor placements in mesh order. The only place that does this.
 
 A plan speaks of `S(batch)`, `S(seq)`, `S(feat)` for activations and `S(out)`, `S(in)` for parameters
-(`autoshard.planner.layouts`); DTensor wants one `Shard(dim)` / `Replicate()` / `Partial()` per mesh dim, in the
+(`autoshard.plans.layouts`); DTensor wants one `Shard(dim)` / `Replicate()` / `Partial()` per mesh dim, in the
 mesh's order. The tensor dim behind a semantic name depends on the tensor:
 
     activations   (B, H) float: batch 0, feat 1          (B, S) integer ids: batch 0, seq 1
@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
+from autoshard.plans.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
 
 __all__ = ["activation_placements", "param_placements", "activation_dim", "param_dim", "replicated"]
 

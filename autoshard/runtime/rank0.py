@@ -21,7 +21,7 @@ from torch import nn
 
 from autoshard import errors
 from autoshard.errors import ConfigurationError, RuntimeSetupError
-from autoshard.planner.plan import SCHEDULES, Plan
+from autoshard.plans.plan import SCHEDULES, Plan
 
 __all__ = ["RUNTIME_SPACE", "runtime_space", "plan_on_rank0", "check_plan_on_rank0", "plan_summary"]
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autoshard.planner.plan import Plan
+from autoshard.plans.plan import Plan
 
 __all__ = ["apply_recompute", "block_paths"]
 

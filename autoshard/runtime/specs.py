@@ -19,8 +19,8 @@ from torch import nn
 
 from autoshard.capture.ir import OpGraph, OpKind, is_call_of
 from autoshard.errors import PlanFileError
-from autoshard.planner.layouts import FEAT, Layout
-from autoshard.planner.plan import OpPlan, ParamPlacement, Plan, check_fingerprint
+from autoshard.plans.layouts import FEAT, Layout
+from autoshard.plans.plan import OpPlan, ParamPlacement, Plan, check_fingerprint
 
 __all__ = ["ModuleSpec", "module_specs", "sent_layout", "is_call_of", "param_owners", "producers_of", "check_fingerprint"]
 

@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import PlanFileError
-from autoshard.planner.layouts import BATCH, Layout
+from autoshard.plans.layouts import BATCH, Layout
 from autoshard.runtime.dtensor_ext import (
     SPMDMode,
     flatten_call,

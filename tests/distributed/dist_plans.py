@@ -19,8 +19,8 @@ Families (the dp axis, when the mesh has one, adds `dp: S(batch)` to every activ
 from __future__ import annotations
 
 from autoshard.capture.ir import Op, OpGraph, OpKind
-from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, SEQ, Layout, MeshSpec, layout
-from autoshard.planner.plan import OpPlan, OpStrategy, ParamPlacement, Plan
+from autoshard.plans.layouts import BATCH, FEAT, IN, OUT, PARTIAL, SEQ, Layout, MeshSpec, layout
+from autoshard.plans.plan import OpPlan, OpStrategy, ParamPlacement, Plan
 
 __all__ = ["make_plan", "expected_param_bytes", "FAMILIES"]
 

@@ -19,8 +19,8 @@ from adamw_bound import ATOL, AdamWBound
 from dist_checks import full_named
 from torch import nn
 
-from autoshard.planner.layouts import MeshSpec
-from autoshard.planner.plan import PipelineSpec, Plan
+from autoshard.plans.layouts import MeshSpec
+from autoshard.plans.plan import PipelineSpec, Plan
 
 __all__ = ["build_model", "batch", "make_pipeline_plan", "pipeline_cases", "loss_fn"]
 

@@ -18,8 +18,8 @@ from dist_models import build, example_batch
 from dist_plans import make_plan
 
 from autoshard.api import resolve_cluster
-from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.prediction import evaluate_plan
+from autoshard.plans.layouts import MeshSpec
 
 BATCH = 4
 # id: (model, family, mesh degrees, plan options)

@@ -27,7 +27,7 @@ from dist_models import SEQ, build, example_batch
 from dist_plans import make_cp_plan, make_ep_plan, make_plan
 
 from autoshard.errors import CheckpointError
-from autoshard.planner.layouts import MeshSpec
+from autoshard.plans.layouts import MeshSpec
 from autoshard.runtime.checkpoint import export_state_dict, load_checkpoint, save_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning"),

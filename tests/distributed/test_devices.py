@@ -25,7 +25,7 @@ def _plan(tmp_path, name: str, *options: str) -> str:
 
 
 def _measure(rank: int, world: int, plans: list[str]) -> list[float]:
-    from autoshard.planner.plan import Plan
+    from autoshard.plans.plan import Plan
     from autoshard.runtime.measure import measure_plan
 
     out = []

@@ -23,7 +23,7 @@ from dist_harness import run_world
 from dist_models import build, example_batch
 from dist_plans import make_plan
 
-from autoshard.planner.layouts import MeshSpec
+from autoshard.plans.layouts import MeshSpec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
 

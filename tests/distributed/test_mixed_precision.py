@@ -18,8 +18,8 @@ from dist_precision import precision_cases
 from pipeline_helpers import make_pipeline_plan
 
 from autoshard.hardware_profiles.cluster import ClusterSpec
-from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.prediction import predicted_step_comm
+from autoshard.plans.layouts import MeshSpec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -6,7 +6,7 @@ Per architecture: the plan the planner picks with its default space ("default");
 (`estimate`'s Megatron assignment, dp=2 x tp=2: the tiny models are too small for the planner to choose
 tensor parallelism on this cluster's profile, so the plan is asked for); and for decoders a pipelined plan
 (pp=2 x dp=2, 1F1B, 4 micro-batches); for some, plans with activation recomputation or sequence parallelism
-(`EXTRA`). Where the contract (planner/contract.py) says the runtime cannot run a combination, the test checks
+(`EXTRA`). Where the contract (plans/contract.py) says the runtime cannot run a combination, the test checks
 that the planner does not offer it instead.
 
 CI runs `CI_ARCHS` (the cases behind the bugs this matrix was built for: Gemma's scaled embedding under TP,
@@ -81,7 +81,7 @@ def _runnable_tp(arch: str) -> str | None:
 
 
 def _pipeline_blocker(arch: str) -> str | None:
-    from autoshard.planner.contract import pipeline_blocker
+    from autoshard.plans.contract import pipeline_blocker
 
     return _runnable_tp(arch) or pipeline_blocker(_graph(arch))
 

@@ -19,8 +19,8 @@ from dist_models import build, example_batch
 from dist_plans import expected_param_bytes, make_plan
 
 from autoshard.hardware_profiles.cluster import ClusterSpec
-from autoshard.planner.layouts import MeshSpec
 from autoshard.planner.prediction import predicted_param_bytes, predicted_step_comm
+from autoshard.plans.layouts import MeshSpec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -29,7 +29,7 @@ import torch, torch.distributed as dist
 import autoshard.runtime  # must import
 from autoshard.capture import capture
 from autoshard.errors import RuntimeSetupError
-from autoshard.planner.layouts import MeshSpec
+from autoshard.plans.layouts import MeshSpec
 from autoshard.runtime import apply_plan, build_device_mesh
 from dist_models import build, example_batch
 from dist_plans import make_plan

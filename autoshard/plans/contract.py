@@ -21,7 +21,7 @@ that does not (a plan file from elsewhere, an edited one).
   ranks of the dp group (at one tensor-parallel position), ep dividing dp and the experts per layer; not
   with context parallelism. No pipeline is offered for a MoE model.
 - Convolutions are replicated on the tensor-parallel axes (the runtime has no channel-parallel convolution;
-  planner/strategies.py offers only those strategies for them).
+  plans/strategies.py offers only those strategies for them).
 - Schedules: 1F1B needs at least as many micro-batches as stages; interleaved 1F1B a number of
   micro-batches that is a multiple of micro-batches // stages (torch.distributed.pipelining's rounds).
 """
@@ -31,8 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind
-from autoshard.planner.cache import graph_cache
 
 __all__ = ["attention_kernel", "ATTENTION_KERNELS", "is_expert_weight", "expert_ops", "ExpertRole",
            "expert_roles", "tp_replicated_ops",

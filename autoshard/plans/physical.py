@@ -8,8 +8,8 @@ their placements agree.
 from __future__ import annotations
 
 from autoshard.capture.ir import Op, OpKind, ParamMeta
-from autoshard.planner.layouts import IN, OUT, Layout
-from autoshard.planner.plan import OpStrategy
+from autoshard.plans.layouts import IN, OUT, Layout
+from autoshard.plans.plan import OpStrategy
 
 __all__ = ["param_dims", "physical_layout", "physical_key"]
 

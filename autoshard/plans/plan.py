@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from autoshard.capture.ir import OpGraph, OpKind, is_call_of
-from autoshard.cost_models.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.errors import PlanFileError
-from autoshard.planner.layouts import Layout, MeshSpec
+from autoshard.plans.breakdown import MemoryBreakdown, TimeBreakdown
+from autoshard.plans.layouts import Layout, MeshSpec
 
 __all__ = ["ParamPlacement", "OpStrategy", "OpPlan", "PipelineSpec", "Prediction", "Plan", "PLAN_VERSION",
            "SCHEDULES", "RECOMPUTE_MODES", "graph_fields", "check_fingerprint"]

@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass, replace
 
 from autoshard.capture.ir import Op, OpGraph, OpKind, TensorMeta
-from autoshard.planner.contract import projection_head_slices, tp_replicated_ops
-from autoshard.planner.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout, MeshSpec
-from autoshard.planner.layouts import layout as _lay
-from autoshard.planner.plan import OpStrategy, ParamPlacement
+from autoshard.plans.contract import projection_head_slices, tp_replicated_ops
+from autoshard.plans.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout, MeshSpec
+from autoshard.plans.layouts import layout as _lay
+from autoshard.plans.plan import OpStrategy, ParamPlacement
 
 __all__ = ["TPOption", "linear_tp_options", "layout_vocabulary", "strategies_for", "strategies_in", "fits", "feat_dim", "seq_dim",
            "PLANNED_KINDS", "ZERO_OPTIONS", "SPLIT_OPTIONS", "dp_options", "with_dp", "no_batch", "rebind", "same_strategy"]
