@@ -72,7 +72,7 @@ def grid(graphs) -> dict[tuple, dict]:
 
 
 def _shard_adds_s(graph, cluster, key) -> float:
-    """ZeRO-2/3's adds into the gradient shard (planner/opcost.py `_grad_accumulation_s`), for all parameters:
+    """ZeRO-2/3's adds into the gradient shard (cost_models/opcost.py `_grad_accumulation_s`), for all parameters:
     7 of the 8 micro-batches add 3 fp32 accesses per element of the rank's 1/(tp pp dp) share (kernel launches
     left out, so this is at most what the step spends on them)."""
     _, _, _, tp, pp, dp, zero, _, _ = key

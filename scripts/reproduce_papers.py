@@ -74,9 +74,9 @@ def _mesh(family: str, n: int):
 
 def _assignment(graph, family: str, mesh, b: int):
     """Megatron 1D over every GPU, or every Linear 2D / 3D with the rest chosen by the ILP."""
+    from autoshard.cost_models.template import template_for
     from autoshard.planner.ilp import build_problem, extract_assignment, solve
     from autoshard.planner.manual import megatron_assignment
-    from autoshard.planner.template import template_for
     from autoshard.plans.plan import PipelineSpec
     from autoshard.plans.strategies import strategies_for
 
@@ -101,8 +101,8 @@ def _assignment(graph, family: str, mesh, b: int):
 def tensor_family(graph, cluster, family: str, *, batch: int, recompute: str = "full"):
     """Best micro-batch for `family` over all GPUs of `cluster` at global batch `batch`:
     (Prediction or None, micro-batch)."""
-    from autoshard.planner.context import PlanContext, default_precision
-    from autoshard.planner.evaluate import evaluate
+    from autoshard.cost_models.context import PlanContext, default_precision
+    from autoshard.cost_models.evaluate import evaluate
     from autoshard.plans.plan import PipelineSpec
 
     mesh, shard = _mesh(family, cluster.num_gpus)
@@ -122,8 +122,8 @@ def tensor_family(graph, cluster, family: str, *, batch: int, recompute: str = "
 
 def max_batch(graph, cluster, family: str, recompute: str = "full") -> int:
     """Largest batch processed at once (one micro-batch) that fits in memory."""
-    from autoshard.planner.context import PlanContext, default_precision
-    from autoshard.planner.evaluate import evaluate
+    from autoshard.cost_models.context import PlanContext, default_precision
+    from autoshard.cost_models.evaluate import evaluate
     from autoshard.plans.plan import PipelineSpec
 
     mesh, shard = _mesh(family, cluster.num_gpus)

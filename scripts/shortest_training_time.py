@@ -46,7 +46,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _pipes(graph, pp: int, schedules, layers: int):
-    from autoshard.planner.bounds import block_costs
+    from autoshard.cost_models.bounds import block_costs
     from autoshard.planner.stages import balanced_stage_layers
     from autoshard.plans.plan import PipelineSpec
 
@@ -69,10 +69,10 @@ def _pipes(graph, pp: int, schedules, layers: int):
 
 def best_step(graph, cluster, batch: int, schedules, *, tp: int = 8) -> Best | None:
     """Fastest Megatron-style configuration of `graph` at global batch `batch` on `cluster`."""
+    from autoshard.cost_models.bounds import memory_lower_bound_bytes, time_lower_bound_s
+    from autoshard.cost_models.context import PlanContext, default_precision
+    from autoshard.cost_models.evaluate import evaluate, inflight_microbatches, pipeline_fill
     from autoshard.errors import ConfigurationError
-    from autoshard.planner.bounds import memory_lower_bound_bytes, time_lower_bound_s
-    from autoshard.planner.context import PlanContext, default_precision
-    from autoshard.planner.evaluate import evaluate, inflight_microbatches, pipeline_fill
     from autoshard.planner.manual import megatron_assignment
     from autoshard.plans.layouts import MeshSpec
 

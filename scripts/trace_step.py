@@ -14,7 +14,7 @@ its fastest steps 540-612 ms against 541 predicted and its medians 643-766 ms; t
 came out 0% to 20% slow. The two pipeline replicas ({0, 2} and {1, 3}) drift apart within a step: in one traced
 run the replica ahead waited 35-175 ms per step in its first gradient reduction for the other (rank clocks of
 a hand-instrumented run), in another this script saw skews of 3-35 ms. The cost model assumes the cores stay
-busy through a pipeline's fill and drain (planner/evaluate.py `_iteration`), which holds for one pipeline and
+busy through a pipeline's fill and drain (cost_models/evaluate.py `_iteration`), which holds for one pipeline and
 not while replicas drift: a lead, not a fix, as the drift varies from run to run.
 """
 

@@ -189,10 +189,10 @@ def _hand_made(graph, family: str):
 def build_plans(only: set[str] | None) -> list[dict]:
     """Every configuration priced on the profile of its world size, plus the planner's choice per (model,
     world); returns [{name, model, world, path, predicted_s, planner}] with the plans written to temp files."""
+    from autoshard.cost_models.reprice import price_plan
     from autoshard.hardware_profiles import ClusterSpec
     from autoshard.planner.estimate import HandConfig, estimate
     from autoshard.planner.planning import make_plan
-    from autoshard.planner.reprice import price_plan
     from autoshard.planner.search import parse_space
 
     graphs, tmp, out = _graphs(), Path(tempfile.mkdtemp(prefix="autoshard-measured-")), []
@@ -342,8 +342,8 @@ def write_report(summary: dict, args, elapsed_s: float) -> None:
 
 def reprice(entries: list[dict]) -> None:
     """Every entry's prediction (the planner's choices too) on the profile files as they are now."""
+    from autoshard.cost_models.reprice import price_plan
     from autoshard.hardware_profiles import ClusterSpec
-    from autoshard.planner.reprice import price_plan
     from autoshard.plans.plan import Plan
 
     graphs = _graphs()

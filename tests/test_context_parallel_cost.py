@@ -11,8 +11,8 @@ import pytest
 
 from autoshard.api import capture_ref, estimate_config
 from autoshard.cost_models.context_parallel import head_tail_chunks, ring_exposed_s
+from autoshard.cost_models.prediction import predicted_step_comm
 from autoshard.errors import ConfigurationError
-from autoshard.planner.prediction import predicted_step_comm
 from autoshard.plans.contract import kv_head_fraction
 
 # grouped-query attention: 4 key/value heads of 16

@@ -4,14 +4,14 @@ import pytest
 
 from autoshard.capture import capture_model
 from autoshard.cost_models.compute import gemm_time_s, measured_gemm_tflops
+from autoshard.cost_models.context import PlanContext
+from autoshard.cost_models.evaluate import dp_units, op_sites, selective_keeps
 from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION
+from autoshard.cost_models.opcost import op_cost
 from autoshard.cost_models.overlap import exposed_comm_s
 from autoshard.hardware_profiles import ClusterSpec, load_gpu
 from autoshard.models import load_model
-from autoshard.planner.context import PlanContext
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.planner.evaluate import dp_units, op_sites, selective_keeps
-from autoshard.planner.opcost import op_cost
 from autoshard.plans.layouts import MeshSpec
 from autoshard.plans.strategies import strategies_for
 
@@ -46,7 +46,7 @@ def test_overlapped_communication_costs_its_first_unit_and_the_compute_it_slows(
 def test_once_per_step_traffic_hides_where_the_runtime_issues_it_on_a_link_its_phase_may_already_fill():
     """ZeRO-1/2's gather overlaps the first forward, ZeRO-0/1's reduction the last backward, each sharing the link
     with that phase's own traffic: a free link hides all but the first unit, a saturated one nothing."""
-    from autoshard.planner.evaluate import _Stage, iteration_sync_s
+    from autoshard.cost_models.evaluate import _Stage, iteration_sync_s
     from autoshard.plans.plan import PipelineSpec
 
     cluster = ClusterSpec.parse("1x8xA100-80GB")
@@ -185,7 +185,7 @@ def test_gradients_are_added_only_from_the_second_micro_batch_and_only_to_what_t
     precision (FSDP2's reduce dtype, Megatron's main_grad): a bf16 gradient into an fp32 sum, an fp32 shard into
     an fp32 shard."""
     from autoshard.cost_models.compute import memory_bound_time_s
-    from autoshard.planner.opcost import _grad_accumulation_s
+    from autoshard.cost_models.opcost import _grad_accumulation_s
 
     cluster = ClusterSpec.parse("1x8xA100-80GB")
     linear = next(o for o in llama.ops if o.kind.value == "linear" and o.params)
@@ -297,7 +297,7 @@ def test_fused_kernels_run_the_scale_and_mask_of_materialized_scores_inside_the_
     not first by a scale and a mask of their own; eager PyTorch runs those as kernels of their own."""
     from autoshard.api import load_graph
     from autoshard.capture.ir import OpKind
-    from autoshard.planner.opcost import score_shaped
+    from autoshard.cost_models.opcost import score_shaped
 
     graph = load_graph("gpt:layers=2,hidden=512,heads=8,seq=1024,vocab=8192", attention="eager")
     scaled = [o for o in graph.ops if o.kind is OpKind.ELEMENTWISE and score_shaped(o.output_meta, graph.seq_len)]
@@ -428,8 +428,8 @@ def test_a_measured_curve_that_peaks_mid_size_is_reproduced_at_every_measured_si
 
 # -- pipeline boundaries ---------------------------------------------------------------------------------------
 def _cuts(graph, cluster, **cfg):
-    from autoshard.planner.evaluate import cut_sends
-    from autoshard.planner.prediction import context_for
+    from autoshard.cost_models.evaluate import cut_sends
+    from autoshard.cost_models.prediction import context_for
 
     plan, _ = estimate(graph, cluster, HandConfig(**cfg))
     return cut_sends(graph, {p.op: p.strategy for p in plan.ops}, context_for(plan, cluster, graph), plan.pipeline)
@@ -454,7 +454,7 @@ def test_the_last_pipeline_stage_waits_for_its_inputs_and_the_first_for_its_grad
     """Sends are asynchronous, receives block: every stage of a pipeline waits for what crosses the cuts
     beside it, the first and last stage once per micro-batch, an inner stage twice. The same pipeline with
     its stages across nodes and inside one node differs by exactly those waits."""
-    from autoshard.planner.prediction import context_for
+    from autoshard.cost_models.prediction import context_for
 
     cfg = HandConfig(pp=4, micro_batch=1, global_batch=8)
     hidden = llama.seq_len * 256 * 2  # seq x hidden x bf16, one sample
@@ -476,7 +476,7 @@ def test_interleaved_stages_hold_the_warmup_forwards_torchs_schedule_runs_before
     micro-batches' worth (Korthikanti et al.'s count holds for the first stage only)."""
     from torch.distributed.pipelining.schedules import _get_warmup_ops
 
-    from autoshard.planner.evaluate import inflight_microbatches
+    from autoshard.cost_models.evaluate import inflight_microbatches
     from autoshard.plans.plan import PipelineSpec
 
     pipe = PipelineSpec(degree=p, schedule="interleaved-1f1b", virtual_stages=v)

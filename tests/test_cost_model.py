@@ -15,12 +15,12 @@ from autoshard.cost_models.comm import (
     step_overhead_s,
 )
 from autoshard.cost_models.compute import gemm_time_s
+from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.memory import BF16_MIXED, BF16_MIXED_16BIT_GRADS, model_state_bytes
+from autoshard.cost_models.opcost import edge_cost, op_cost
 from autoshard.hardware_profiles import ClusterSpec, load_gpu
 from autoshard.models import load_model
-from autoshard.planner.context import PlanContext
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.planner.opcost import edge_cost, op_cost
 from autoshard.plans.layouts import BATCH, FEAT, IN, OUT, PARTIAL, Layout, MeshSpec, layout
 from autoshard.plans.plan import OpStrategy, ParamPlacement
 

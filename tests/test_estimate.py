@@ -7,9 +7,9 @@ import pytest
 
 from autoshard.api import estimate_config
 from autoshard.capture import capture_model
+from autoshard.cost_models.bounds import block_costs
 from autoshard.errors import ConfigurationError
 from autoshard.models import load_model
-from autoshard.planner.bounds import block_costs
 from autoshard.planner.stages import stage_loads
 
 KEYS = {"iteration_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "memory_gib", "breakdown_s"}

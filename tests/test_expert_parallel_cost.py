@@ -12,8 +12,8 @@ import pytest
 
 from autoshard.api import capture_ref, estimate_config
 from autoshard.cost_models.expert_parallel import EXPERT_LOAD_CV, ep_load_imbalance, expected_max_normal
+from autoshard.cost_models.prediction import predicted_step_comm
 from autoshard.errors import ConfigurationError
-from autoshard.planner.prediction import predicted_step_comm
 from autoshard.plans.contract import expert_parallel_degrees, expert_roles, num_experts
 
 # 4 layers, 8 experts of ffn 1,024, top-2: small enough to capture in seconds
@@ -180,9 +180,9 @@ def test_a_gradient_reduction_is_shared_only_by_consumers_that_hand_back_a_parti
     """A producer read by a column-split op and by an op kept replicated on tp: the column-split one's
     input gradient is a partial sum, reduced in full (grad_share 1), while the forward's redistribution
     (none here) is shared by both."""
+    from autoshard.cost_models.context import PlanContext
+    from autoshard.cost_models.opcost import edge_cost
     from autoshard.hardware_profiles.cluster import ClusterSpec
-    from autoshard.planner.context import PlanContext
-    from autoshard.planner.opcost import edge_cost
     from autoshard.plans.layouts import Layout, MeshSpec
 
     graph = capture_ref(MOE)

@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 
 from autoshard.api import estimate_config, load_graph
+from autoshard.cost_models.evaluate import recompute_stops_before
 from autoshard.cost_models.host import BACKWARD_DISPATCHES
+from autoshard.cost_models.template import PLANNED_KINDS
 from autoshard.hardware_profiles import ClusterSpec
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.planner.evaluate import recompute_stops_before
-from autoshard.planner.template import PLANNED_KINDS
 
 TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
 
@@ -67,8 +67,8 @@ def test_full_recompute_stops_before_the_last_matmul_of_a_llama_block_and_the_cl
     none, _ = estimate(graph, cluster, HandConfig(dp=1, micro_batch=1, global_batch=1))
     extra = full.prediction.time.compute_s - none.prediction.time.compute_s
     down = [op for op in graph.ops if op.name.endswith("mlp.down_proj")]
-    from autoshard.planner.context import PlanContext
-    from autoshard.planner.opcost import kernel_times_s
+    from autoshard.cost_models.context import PlanContext
+    from autoshard.cost_models.opcost import kernel_times_s
     from autoshard.plans.layouts import MeshSpec
     from autoshard.plans.strategies import strategies_for
 

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from autoshard.capture import capture
+from autoshard.cost_models.reprice import price_plan
 from autoshard.errors import PlanFileError
 from autoshard.hardware_profiles import ClusterSpec
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.planner.reprice import price_plan
 from autoshard.plans.plan import Plan
 from autoshard.runtime.specs import check_fingerprint, module_specs
 

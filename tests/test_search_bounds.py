@@ -8,13 +8,13 @@ import re
 import pytest
 
 from autoshard.api import load_graph
+from autoshard.cost_models.bounds import knapsack_lp_min
+from autoshard.cost_models.evaluate import op_sites
+from autoshard.cost_models.opcost import op_cost, repeats_forward
 from autoshard.hardware_profiles import ClusterSpec
 from autoshard.planner import ilp
-from autoshard.planner.bounds import knapsack_lp_min
 from autoshard.planner.candidate_bound import compute_bound_s, knapsack_bound_s
-from autoshard.planner.evaluate import op_sites
 from autoshard.planner.ilp import build_problem, solve
-from autoshard.planner.opcost import op_cost, repeats_forward
 from autoshard.planner.search import SPACE, _prepare, enumerate_candidates
 
 

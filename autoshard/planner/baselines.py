@@ -16,15 +16,15 @@ import math
 from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph
+from autoshard.cost_models.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
+from autoshard.cost_models.context import PlanContext, default_precision
+from autoshard.cost_models.evaluate import evaluate, inflight_microbatches
+from autoshard.cost_models.template import template_for
 from autoshard.errors import ConfigurationError
-from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
-from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.evaluate import evaluate, inflight_microbatches
 from autoshard.planner.explain import batch_label
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
 from autoshard.planner.manual import megatron_assignment
 from autoshard.planner.stages import balanced_stage_layers
-from autoshard.planner.template import template_for
 from autoshard.plans.contract import pipeline_blocker, schedule_blocker
 from autoshard.plans.layouts import MeshSpec
 from autoshard.plans.plan import PipelineSpec, Prediction
@@ -86,7 +86,7 @@ def _ctx(graph, cluster, mesh, b, m, rc) -> PlanContext:
 
 
 def _recomputes(graph: OpGraph) -> tuple[str, ...]:
-    from autoshard.planner.opcost import score_shaped
+    from autoshard.cost_models.opcost import score_shaped
 
     scores = any(score_shaped(t, graph.seq_len) for op in graph.ops for t in op.saved)
     return ("none", "selective", "full") if scores else ("none", "full")

@@ -13,16 +13,18 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from autoshard.cost_models.memory import framework_overhead_bytes
-from autoshard.planner.bounds import knapsack_lp_min
-from autoshard.planner.context import PlanContext
-from autoshard.planner.evaluate import (
+from autoshard.cost_models.bounds import knapsack_lp_min
+from autoshard.cost_models.context import PlanContext
+from autoshard.cost_models.evaluate import (
     inflight_microbatches,
     op_sites,
     pipeline_fill,
     sink_layout,
     stage_units,
 )
+from autoshard.cost_models.memory import framework_overhead_bytes
+from autoshard.cost_models.opcost import edge_cost, kernel_times_s, repeats_forward
+from autoshard.cost_models.template import template_for
 from autoshard.planner.ilp import (
     binding_stages,
     consumer_key,
@@ -30,8 +32,6 @@ from autoshard.planner.ilp import (
     fixed_stage_rows,
     optimizer_s_per_state_byte,
 )
-from autoshard.planner.opcost import edge_cost, kernel_times_s, repeats_forward
-from autoshard.planner.template import template_for
 
 __all__ = ["knapsack_bound_s", "knapsack_bounds", "compute_bound_s", "edge_times"]
 

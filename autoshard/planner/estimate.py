@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph, OpKind
+from autoshard.cost_models.bounds import block_costs
+from autoshard.cost_models.context import TP_OVERLAP, PlanContext, default_precision
 from autoshard.cost_models.context_parallel import CP_ATTENTION
+from autoshard.cost_models.evaluate import Evaluation, evaluate
 from autoshard.cost_models.memory import ALLOCATORS, PRECISIONS
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import ConfigurationError, require_positive
-from autoshard.planner.bounds import block_costs
-from autoshard.planner.context import TP_OVERLAP, PlanContext, default_precision
-from autoshard.planner.evaluate import Evaluation, evaluate
 from autoshard.planner.manual import even_stage_layers, megatron_assignment
 from autoshard.planner.stages import balanced_stage_layers
 from autoshard.plans.contract import (

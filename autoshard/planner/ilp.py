@@ -72,10 +72,8 @@ from typing import NamedTuple
 import pulp
 
 from autoshard.capture.ir import OpGraph
-from autoshard.cost_models.host import optimizer_host_s, separate_host
-from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
-from autoshard.planner.context import PlanContext
-from autoshard.planner.evaluate import (
+from autoshard.cost_models.context import PlanContext
+from autoshard.cost_models.evaluate import (
     inflight_microbatches,
     loss_per_stage,
     op_sites,
@@ -83,8 +81,10 @@ from autoshard.planner.evaluate import (
     sink_layout,
     stage_units,
 )
-from autoshard.planner.opcost import OpCost, edge_cost, grad_partial_axes, op_cost
-from autoshard.planner.template import TemplateGraph, template_for
+from autoshard.cost_models.host import optimizer_host_s, separate_host
+from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
+from autoshard.cost_models.opcost import OpCost, edge_cost, grad_partial_axes, op_cost
+from autoshard.cost_models.template import TemplateGraph, template_for
 from autoshard.plans.breakdown import GIB
 from autoshard.plans.layouts import Layout
 from autoshard.plans.physical import physical_key

@@ -13,8 +13,8 @@ import functools
 
 from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind
+from autoshard.cost_models.template import template_for
 from autoshard.errors import ConfigurationError
-from autoshard.planner.template import template_for
 from autoshard.plans.layouts import FEAT, REPLICATE, SEQ, Layout, MeshSpec
 from autoshard.plans.plan import OpStrategy, PipelineSpec
 from autoshard.plans.strategies import fits, rebind, strategies_in, with_dp

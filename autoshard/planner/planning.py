@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 from autoshard.capture.ir import OpGraph
-from autoshard.planner.context import PlanContext
-from autoshard.planner.evaluate import op_sites, sink_layout
+from autoshard.cost_models.context import PlanContext
+from autoshard.cost_models.evaluate import op_sites, sink_layout
+from autoshard.cost_models.opcost import edge_cost, grad_partial_axes, op_cost
+from autoshard.cost_models.template import template_for
 from autoshard.planner.ilp import solver_name
-from autoshard.planner.opcost import edge_cost, grad_partial_axes, op_cost
 from autoshard.planner.search import SearchResult, allowed, candidate_context, search
-from autoshard.planner.template import template_for
 from autoshard.plans.contract import attention_kernel
 from autoshard.plans.layouts import MeshSpec
 from autoshard.plans.plan import OpPlan, OpStrategy, Plan, graph_fields

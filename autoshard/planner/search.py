@@ -25,11 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autoshard.capture.ir import OpGraph
-from autoshard.errors import InfeasiblePlanError
-from autoshard.planner.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
-from autoshard.planner.candidate_bound import compute_bound_s, edge_times, knapsack_bounds
-from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.evaluate import (
+from autoshard.cost_models.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
+from autoshard.cost_models.context import PlanContext, default_precision
+from autoshard.cost_models.evaluate import (
     Evaluation,
     evaluate,
     inflight_microbatches,
@@ -37,10 +35,12 @@ from autoshard.planner.evaluate import (
     pipeline_fill,
     selective_keeps,
 )
+from autoshard.cost_models.opcost import op_cost
+from autoshard.cost_models.template import template_for
+from autoshard.errors import InfeasiblePlanError
+from autoshard.planner.candidate_bound import compute_bound_s, edge_times, knapsack_bounds
 from autoshard.planner.ilp import build_problem, expand_assignment, relaxation_bound, solve
-from autoshard.planner.opcost import op_cost
 from autoshard.planner.stages import balanced_stage_layers
-from autoshard.planner.template import template_for
 from autoshard.plans.contract import (
     expert_parallel_degrees,
     kv_head_fraction,
@@ -211,7 +211,7 @@ def _micro_batches(global_batch: int, dp: int, batch_shard: int) -> list[int]:
 
 
 def _has_scores(graph: OpGraph) -> bool:
-    from autoshard.planner.opcost import score_shaped
+    from autoshard.cost_models.opcost import score_shaped
 
     return any(score_shaped(t, graph.seq_len) for op in graph.ops for t in op.saved)
 

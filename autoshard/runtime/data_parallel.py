@@ -198,7 +198,7 @@ def _tag(modules: list[nn.Module], zero: int) -> None:
 
 
 def set_microbatch(model: nn.Module, *, last: bool) -> None:
-    """Before each micro-batch of a step, what the cost model prices per ZeRO level (planner/opcost.py):
+    """Before each micro-batch of a step, what the cost model prices per ZeRO level (cost_models/opcost.py):
     ZeRO-0 all-reduces and ZeRO-1 reduce-scatters the accumulated gradients once, after the last micro-batch;
     ZeRO-2 and -3 reduce-scatter after every micro-batch. ZeRO-1 and -2 keep the parameters gathered from the
     first forward to the last backward (one all-gather per step), ZeRO-3 re-gathers them every time."""

@@ -10,7 +10,7 @@
                 then torchtitan's "op" selective AC: keep the attention kernel's output and every other matmul's
                 output, recompute the rest (norms, activations, rotary, the other matmuls).
 
-The cost model prices the same policies (planner/opcost.py). The block's `forward` is replaced on the instance,
+The cost model prices the same policies (cost_models/opcost.py). The block's `forward` is replaced on the instance,
 so parameter names and module paths stay as they were (a `checkpoint_wrapper` would prefix them).
 """
 

@@ -18,7 +18,7 @@ from dist_models import build, example_batch
 from dist_plans import make_plan
 
 from autoshard.api import resolve_cluster
-from autoshard.planner.prediction import evaluate_plan
+from autoshard.cost_models.prediction import evaluate_plan
 from autoshard.plans.layouts import MeshSpec
 
 BATCH = 4

@@ -24,8 +24,8 @@ from dist_checks import assert_matches_one_process, results_by_case
 from dist_models import SEQ, build, example_batch
 from dist_plans import make_ep_plan
 
+from autoshard.cost_models.prediction import predicted_param_bytes, predicted_step_comm
 from autoshard.hardware_profiles.cluster import ClusterSpec
-from autoshard.planner.prediction import predicted_param_bytes, predicted_step_comm
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -17,8 +17,8 @@ from dist_plans import make_plan
 from dist_precision import precision_cases
 from pipeline_helpers import make_pipeline_plan
 
+from autoshard.cost_models.prediction import predicted_step_comm
 from autoshard.hardware_profiles.cluster import ClusterSpec
-from autoshard.planner.prediction import predicted_step_comm
 from autoshard.plans.layouts import MeshSpec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -195,8 +195,8 @@ _PIPELINED = [c for c, spec in CASES.items() if spec[2].get("pp", 1) > 1]
 def test_bytes_each_stage_sends_equal_the_prediction(case_id):
     """Hidden states forward and their gradients backward, per micro-batch and chunk boundary, as the rank
     holding each stage measures them in one `train_step` (`predicted_p2p_bytes`)."""
+    from autoshard.cost_models.prediction import predicted_p2p_bytes
     from autoshard.hardware_profiles import ClusterSpec
-    from autoshard.planner.prediction import predicted_p2p_bytes
 
     case = _case(case_id, *CASES[case_id])
     cluster = ClusterSpec.parse(f"1x{WORLD}xcpu")

@@ -18,8 +18,8 @@ from dist_harness import run_world
 from dist_models import build, example_batch
 from dist_plans import expected_param_bytes, make_plan
 
+from autoshard.cost_models.prediction import predicted_param_bytes, predicted_step_comm
 from autoshard.hardware_profiles.cluster import ClusterSpec
-from autoshard.planner.prediction import predicted_param_bytes, predicted_step_comm
 from autoshard.plans.layouts import MeshSpec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]

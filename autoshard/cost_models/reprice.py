@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autoshard.capture.ir import OpGraph
+from autoshard.cost_models.evaluate import Evaluation, evaluate
+from autoshard.cost_models.prediction import context_for
 from autoshard.errors import PlanFileError
-from autoshard.planner.evaluate import Evaluation, evaluate
-from autoshard.planner.prediction import context_for
 from autoshard.plans.plan import Plan, check_fingerprint
 
 __all__ = ["price_plan"]

@@ -16,7 +16,7 @@ from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.cost_models.compute import FLASH_BACKWARD_FLOPS_FACTOR, max_attention_efficiency
 from autoshard.cost_models.memory import Precision, model_state_bytes, tensor_bytes
-from autoshard.planner.opcost import score_shaped
+from autoshard.cost_models.opcost import score_shaped
 from autoshard.plans.strategies import PLANNED_KINDS
 
 __all__ = ["GraphTotals", "graph_totals", "time_lower_bound_s", "memory_lower_bound_bytes", "block_costs",
@@ -46,7 +46,7 @@ class GraphTotals:
 
 
 def _totals(graph: OpGraph) -> GraphTotals:
-    from autoshard.planner.evaluate import selective_keeps  # evaluate sits above the bounds
+    from autoshard.cost_models.evaluate import selective_keeps  # evaluate sits above the bounds
 
     g = dict.fromkeys(GraphTotals.__dataclass_fields__, 0.0)
     seq = graph.seq_len

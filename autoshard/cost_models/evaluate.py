@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
 from autoshard.cost_models.compute import memory_bound_time_s
+from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.host import optimizer_host_s, separate_host
 from autoshard.cost_models.memory import (
     OPTIMIZER_PASSES,
@@ -48,10 +49,9 @@ from autoshard.cost_models.memory import (
     optimizer_step_bytes,
     tensor_bytes,
 )
+from autoshard.cost_models.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost, score_shaped
 from autoshard.cost_models.overlap import exposed_beside_s, exposed_comm_s
-from autoshard.planner.context import PlanContext
-from autoshard.planner.opcost import EdgeCost, OpCost, edge_cost, grad_partial_axes, op_cost, score_shaped
-from autoshard.planner.template import planned_edges, stage_of, template_for
+from autoshard.cost_models.template import planned_edges, stage_of, template_for
 from autoshard.plans.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.plans.contract import expert_roles
 from autoshard.plans.layouts import BATCH, SEQ, Layout

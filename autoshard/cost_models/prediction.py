@@ -10,9 +10,9 @@ from collections import defaultdict
 from dataclasses import replace
 
 from autoshard.capture.ir import OpGraph
-from autoshard.planner.context import PlanContext, default_precision
-from autoshard.planner.evaluate import Evaluation, cut_bytes, evaluate
-from autoshard.planner.template import template_for
+from autoshard.cost_models.context import PlanContext, default_precision
+from autoshard.cost_models.evaluate import Evaluation, cut_bytes, evaluate
+from autoshard.cost_models.template import template_for
 from autoshard.plans.contract import expert_ops, kv_head_fraction
 from autoshard.plans.plan import Plan
 from autoshard.plans.strategies import same_strategy

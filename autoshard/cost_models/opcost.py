@@ -30,6 +30,7 @@ from autoshard.cost_models.compute import (
     gemm_time_s,
     memory_bound_time_s,
 )
+from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.context_parallel import gathered_kv_bytes, ring_exposed_s
 from autoshard.cost_models.expert_parallel import (
     counts_bytes,
@@ -40,7 +41,6 @@ from autoshard.cost_models.expert_parallel import (
 from autoshard.cost_models.host import BACKWARD_DISPATCHES, forward_host_s, hooks_host_s, separate_host
 from autoshard.cost_models.memory import model_state_bytes, tensor_bytes
 from autoshard.cost_models.zero_impl import gathers_overlap, zero3_gather_s
-from autoshard.planner.context import PlanContext
 from autoshard.plans.contract import ExpertRole, is_expert_weight
 from autoshard.plans.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
 from autoshard.plans.plan import OpStrategy
