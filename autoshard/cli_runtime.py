@@ -23,8 +23,8 @@ def require_torchrun(command: str) -> None:
 
 def measure_command(args, emit) -> int:
     require_torchrun("measure")
+    from autoshard.measure.step import measure_plan
     from autoshard.plans.plan import Plan
-    from autoshard.runtime.measure import measure_plan
     from autoshard.runtime.mesh import shutdown_distributed
 
     plan = Plan.load(args.plan)
@@ -79,8 +79,8 @@ def profile_command(args, emit) -> int:
     import torch
     import yaml
 
+    from autoshard.measure.profile import merge_rounds, profile_cluster
     from autoshard.runtime.mesh import global_rank, init_distributed, shutdown_distributed
-    from autoshard.runtime.profile import merge_rounds, profile_cluster
 
     init_distributed(device_type="cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     rank0 = global_rank() == 0

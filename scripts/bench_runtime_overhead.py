@@ -190,7 +190,7 @@ def recorded_step(side: Side) -> dict:
     runs on its local shards)."""
     from torch.distributed.tensor import DTensor
 
-    from autoshard.runtime import CollectiveRecorder
+    from autoshard.measure import CollectiveRecorder
 
     class StepRecorder(CollectiveRecorder):
         num_dtensor_ops = num_plain_ops = 0

@@ -126,7 +126,7 @@ def profile_round(worlds: list[int], got: dict[int, list[dict]], headers: dict[i
     of its rounds so far (header kept)."""
     import yaml
 
-    from autoshard.runtime.profile import merge_rounds
+    from autoshard.measure.profile import merge_rounds
 
     with tempfile.TemporaryDirectory() as tmp:
         for w in worlds:
@@ -233,8 +233,8 @@ def worker(plans_path: str, out_path: str, repeats: int, steps: int, warmup: int
     import torch.distributed as dist
 
     from autoshard.hardware_profiles import ClusterSpec
+    from autoshard.measure.step import measure_plan
     from autoshard.plans.plan import Plan
-    from autoshard.runtime.measure import measure_plan
     from autoshard.runtime.mesh import init_distributed
 
     torch.set_num_threads(1)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from autoshard.runtime.profile import median_profile
+from autoshard.measure.profile import median_profile
 
 
 def _round(gemm, fsdp, curve_bw, source):

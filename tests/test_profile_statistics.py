@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from autoshard.runtime import profile as prof
+from autoshard.measure import profile as prof
 
 
 def test_timed_is_the_mean_of_bimodal_calls_because_a_step_adds_its_operations_times(one_rank, monkeypatch):

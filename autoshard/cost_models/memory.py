@@ -140,7 +140,7 @@ def optimizer_step_bytes(numel: float, precision: Precision, *, fused: bool = Fa
     fused (apex / Transformer Engine FusedAdam: Megatron-LM, Megatron-Core, DeepSpeed): one kernel reads the
     gradient, the 16-bit parameter, the master copy and both moments and writes all but the gradient.
 
-    Otherwise torch.optim.AdamW as it runs by default, which is what autoshard's runtime (runtime/measure.py) and
+    Otherwise torch.optim.AdamW as it runs by default, which is what autoshard's runtime (measure/step.py) and
     torchtitan step with: `_multi_tensor_adam` on GPUs, `_single_tensor_adam` on CPUs, the same eight passes
     (torch/optim/adam.py, the non-capturable path): the weight decay's mul_ on the parameter (read, write),
     lerp_ of the first moment towards the gradient (3), mul_ of the second moment (2), its addcmul_ with the

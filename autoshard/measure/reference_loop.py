@@ -59,8 +59,8 @@ def run_reference(model_ref: str, *, global_batch: int, micro_batch: int, compil
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from autoshard.measure.step import synthetic_batch, training_loss
     from autoshard.models import load_model
-    from autoshard.runtime.measure import synthetic_batch, training_loss
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

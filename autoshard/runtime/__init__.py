@@ -15,21 +15,16 @@ Module layout (each file says more):
     dtensor_ext.py      DTensor additions: CPU attention rules, function-level implicit replication,
                         redistribution with planned gradient placements
     parallel_module.py  the returned module: local tensors in and out, shard_inputs
-    comm_check.py       bytes per collective issued by a step
-    memory.py           parameter bytes held per rank
     checkpoint.py       save / load / export checkpoints with torch.distributed.checkpoint, across plans
     failure.py          distributed phases: a failure on one rank names that rank on every rank
 """
 
 from autoshard.runtime.apply import apply_plan
 from autoshard.runtime.checkpoint import export_state_dict, load_checkpoint, save_checkpoint
-from autoshard.runtime.comm_check import CollectiveRecorder, bytes_by_collective, measure_step_comm
 from autoshard.runtime.entry import autoparallel
 from autoshard.runtime.failure import RankFailedError, distributed_phase
-from autoshard.runtime.memory import local_param_bytes
 from autoshard.runtime.mesh import build_device_mesh, init_distributed
 from autoshard.runtime.parallel_module import ParallelModule
 
-__all__ = ["autoparallel", "apply_plan", "build_device_mesh", "init_distributed", "local_param_bytes",
-           "measure_step_comm", "bytes_by_collective", "CollectiveRecorder", "ParallelModule", "save_checkpoint",
-           "load_checkpoint", "export_state_dict", "distributed_phase", "RankFailedError"]
+__all__ = ["autoparallel", "apply_plan", "build_device_mesh", "init_distributed", "ParallelModule",
+           "save_checkpoint", "load_checkpoint", "export_state_dict", "distributed_phase", "RankFailedError"]

@@ -18,13 +18,8 @@ from dist_models import build, example_batch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autoshard.runtime import (
-    apply_plan,
-    autoparallel,
-    build_device_mesh,
-    local_param_bytes,
-    measure_step_comm,
-)
+from autoshard.measure import local_param_bytes, measure_step_comm
+from autoshard.runtime import apply_plan, autoparallel, build_device_mesh
 from autoshard.runtime.split import SplitLinear
 
 __all__ = ["compare_cases", "loss_of", "full_named", "all_experts", "results_by_case", "assert_matches_one_process",

@@ -10,7 +10,8 @@ from dist_models import build, example_batch
 from torch.distributed.tensor import DTensor
 
 from autoshard.errors import RuntimeSetupError
-from autoshard.runtime import apply_plan, build_device_mesh, measure_step_comm
+from autoshard.measure import measure_step_comm
+from autoshard.runtime import apply_plan, build_device_mesh
 from autoshard.runtime.mesh import tensor_parallel_mesh
 
 __all__ = ["contract_checks", "CONTRACT_CHECKS"]
@@ -61,7 +62,7 @@ def _comm(case: dict) -> dict:
 
 def _plain(case: dict) -> dict:
     """Ops dispatched on DTensors and collectives issued (by count) in one forward+backward after warm-up."""
-    from autoshard.runtime import CollectiveRecorder
+    from autoshard.measure import CollectiveRecorder
 
     class Recorder(CollectiveRecorder):
         dtensor_ops = 0

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.cost_models.memory import BF16_MIXED
-from autoshard.runtime import apply_plan, build_device_mesh, measure_step_comm
+from autoshard.measure import measure_step_comm
+from autoshard.runtime import apply_plan, build_device_mesh
 
 __all__ = ["precision_cases"]
 

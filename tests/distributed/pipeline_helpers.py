@@ -170,7 +170,7 @@ def _grads_case(case: dict) -> dict:
 def _adamw_steps(ref, pm, step, batch_, local, steps: int, names: list[str]) -> dict:
     """Three AdamW steps on both (the gradients of the steps above first), every parameter compared after;
     the bytes this rank sends to other stages in the third step's forward and backward, and its stage."""
-    from autoshard.runtime.comm_check import measure_step_comm
+    from autoshard.measure.comm_check import measure_step_comm
 
     (x, y), (lx, ly) = batch_, local
     for p in ref.parameters():  # the parallel model accumulated `steps` steps' gradients
@@ -202,7 +202,7 @@ def _adamw_steps(ref, pm, step, batch_, local, steps: int, names: list[str]) -> 
 
 def _gathers_case(case: dict) -> dict:
     """{collective: bytes} of a second train_step (FSDP initializes lazily in the first)."""
-    from autoshard.runtime.comm_check import measure_step_comm
+    from autoshard.measure.comm_check import measure_step_comm
     from autoshard.runtime.pipeline_train import train_step
 
     x, y = batch(case["model"], case["batch"])

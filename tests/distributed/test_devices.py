@@ -25,8 +25,8 @@ def _plan(tmp_path, name: str, *options: str) -> str:
 
 
 def _measure(rank: int, world: int, plans: list[str]) -> list[float]:
+    from autoshard.measure.step import measure_plan
     from autoshard.plans.plan import Plan
-    from autoshard.runtime.measure import measure_plan
 
     out = []
     for path in plans:
@@ -44,7 +44,7 @@ def test_measure_of_micro_batches_and_of_a_pipeline_runs_on_ranks_off_the_defaul
 
 
 def _profile(rank: int, world: int) -> dict:
-    from autoshard.runtime.profile import profile_cluster
+    from autoshard.measure.profile import profile_cluster
 
     with ranks_off_the_default_device():
         return profile_cluster(quick=True)

@@ -65,7 +65,7 @@ def _ep_step(rank: int, world: int, starve: bool) -> dict:
     """One forward and backward with the experts split over the world; diffs against one process."""
     import torch.distributed as dist
 
-    from autoshard.runtime.comm_check import CollectiveRecorder, bytes_by_collective
+    from autoshard.measure.comm_check import CollectiveRecorder, bytes_by_collective
     from autoshard.runtime.expert_parallel import (
         EP_EXPERTS_NAME,
         apply_expert_parallel,

@@ -35,7 +35,7 @@ def test_profile_quick_on_two_ranks_writes_the_median_of_its_rounds_and_measures
     run, logs = run_torchrun(["profile", "--quick", "--rounds", "2", "-o", str(out_file)], nproc=2, workdir=tmp_path)
     assert run.returncode == 0, logs
     from autoshard.hardware_profiles import ClusterSpec
-    from autoshard.runtime.profile import ATTENTION_SEQS
+    from autoshard.measure.profile import ATTENTION_SEQS
 
     cluster = ClusterSpec.parse(str(out_file))
     gpu = cluster.gpu
