@@ -1,12 +1,12 @@
 """autoshard: pick and apply a parallel training plan for a PyTorch model on a GPU cluster."""
 
 __all__ = ["plan", "ClusterSpec", "Plan", "autoparallel", "save_checkpoint", "load_checkpoint", "__version__"]
-__version__ = "0.1.0"
+from autoshard.version import __version__
 
-
-_RUNTIME_NAMES = ("autoparallel", "save_checkpoint", "load_checkpoint")
+_RUNTIME_NAMES = ("save_checkpoint", "load_checkpoint")
 # imported on first use: `autoshard --help` and `import autoshard.cli` must not import torch (issue 17)
-_LAZY_NAMES = {"plan": "autoshard.api", "ClusterSpec": "autoshard.hardware_profiles", "Plan": "autoshard.plans.plan"}
+_LAZY_NAMES = {"plan": "autoshard.api", "autoparallel": "autoshard.api", "ClusterSpec": "autoshard.hardware_profiles",
+               "Plan": "autoshard.plans.plan"}
 
 
 def __getattr__(name: str):

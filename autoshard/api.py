@@ -10,7 +10,7 @@ from autoshard.planner.estimate import HandConfig, estimate
 from autoshard.plans.contract import expert_parallel_degrees, num_experts
 from autoshard.plans.plan import graph_fields
 
-__all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph"]
+__all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph", "autoparallel"]
 
 
 def resolve_cluster(cluster):
@@ -307,3 +307,30 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
         progress("pricing the baselines")
     baselines = compute_baselines(graph, cluster, global_batch=gb, cap_bytes=cap)
     return the_plan, result, baselines, graph, cluster
+
+
+def autoparallel(model, cluster, *, example_inputs, global_batch: int, plan=None, space=None,
+                 memory_cap: float | None = None, loss_fn=None, graph=None, timeout_s: float | None = None,
+                 time_limit_s: float = 20.0):
+    """Parallelize `model` for this rank of a `cluster` job (call on every rank, under torchrun): the runtime's
+    `autoparallel` (runtime/entry.py) with the planner behind it.
+
+    `plan=None` plans now: rank 0 captures `model` with `example_inputs` (inputs of any batch size, e.g. token
+    ids (B, S)), searches the plan for `global_batch` over `space` (families as in `autoshard plan --space`;
+    by default every family the runtime runs without pipeline stages) under `memory_cap` GiB per device,
+    logs it and broadcasts it. A given `Plan` or plan file is checked against the model. `loss_fn(output,
+    target)` is needed by pipelined plans (space with pp), which train through `train_step`."""
+    import functools
+    import logging
+
+    from autoshard.planner.for_runtime import make_runtime_plan
+    from autoshard.runtime.entry import autoparallel as apply_on_ranks
+
+    make = None
+    if plan is None:
+        make = functools.partial(make_runtime_plan, global_batch=global_batch, space=space, memory_cap=memory_cap,
+                                 time_limit_s=time_limit_s)
+    elif space is not None or memory_cap is not None:
+        logging.getLogger(__name__).info("space / memory_cap steer the planner; ignored because a plan was given")
+    return apply_on_ranks(model, cluster, example_inputs=example_inputs, global_batch=global_batch, plan=plan,
+                          loss_fn=loss_fn, graph=graph, timeout_s=timeout_s, make_plan=make)

@@ -31,9 +31,9 @@ REDUCE = "FSDP::post_backward_reduce"
 
 
 def main() -> None:
+    from autoshard import autoparallel
     from autoshard.measure.step import _build, _cluster_of, synthetic_batch, training_loss
     from autoshard.plans.plan import Plan
-    from autoshard.runtime.entry import autoparallel
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan")

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autoshard import autoparallel
 from autoshard.errors import AutoshardError
 from autoshard.models import load_model
-from autoshard.runtime import autoparallel
-from autoshard.runtime.rank0 import plan_summary
+from autoshard.planner.for_runtime import plan_summary
 
 
 def parse_args() -> argparse.Namespace:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "autoshard"
 ORDER = ["errors", "models", "capture", "hardware_profiles", "plans", "cost_models", "planner", "runtime", "measure"]
-# what each layer may import from the package (besides itself and errors)
+# what each layer may import from the package (besides itself, errors and version)
 ALLOWED = {
     "models": set(),
     "capture": {"models"},
@@ -14,8 +14,10 @@ ALLOWED = {
     "plans": {"models", "capture", "hardware_profiles"},
     "cost_models": {"capture", "hardware_profiles", "plans"},
     "planner": {"models", "capture", "hardware_profiles", "plans", "cost_models"},
-    "runtime": {"models", "capture", "hardware_profiles", "plans", "cost_models", "planner"},
-    "measure": {"models", "capture", "hardware_profiles", "plans", "cost_models", "planner", "runtime"},
+    # the runtime applies plans: it reads the plan vocabulary and imports no planner code (a plan is made on
+    # rank 0 by a function the caller passes: api.autoparallel passes the planner's)
+    "runtime": {"models", "capture", "hardware_profiles", "plans", "cost_models"},
+    "measure": {"models", "capture", "hardware_profiles", "plans", "cost_models", "runtime"},
 }
 # the top: the command line, the entry points and the validation checks may use every part; no part imports them
 TOP = ("cli", "cli_runtime", "api", "validation")
@@ -40,7 +42,7 @@ def test_layers_import_only_upstream_layers():
                 if not name.startswith("autoshard."):
                     continue
                 target = name.split(".")[1]
-                if target not in (layer, "errors") and target not in allowed:
+                if target not in (layer, "errors", "version") and target not in allowed:
                     bad.append(f"{path.relative_to(PKG)} imports {name}")
     assert not bad, bad
 
@@ -61,3 +63,55 @@ def test_cost_models_do_not_import_torch():
     bad = [str(p.relative_to(PKG)) for p in (PKG / "cost_models").rglob("*.py")
            if any(n == "torch" or n.startswith("torch.") for n in imports_of(p))]
     assert not bad, bad
+
+
+def _module_of(name: str) -> str | None:
+    """The module file an import names (a module, or the package `__init__`), None outside autoshard."""
+    if not name.startswith("autoshard"):
+        return None
+    path = PKG.parent / name.replace(".", "/")
+    if path.with_suffix(".py").exists():
+        return name
+    if (path / "__init__.py").exists():
+        return name + ".__init__"
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the autoshard modules it imports, anywhere in it (top level, functions, TYPE_CHECKING): a
+    `from a.b import c` names module a.b.c where that is a module, else a.b."""
+    graph: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(_module_of(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    targets.add(_module_of(f"{node.module}.{a.name}") or _module_of(node.module))
+        graph[name] = {t for t in targets if t and t != name}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle, reading every import statement (the circles capture/build_ops <-> coarsen,
+    cluster <-> cluster_file and data_parallel -> tensor_parallel -> parallel_module -> pipeline_train ->
+    data_parallel were broken: a module's helpers moved to the module both use)."""
+    graph = import_graph()
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, [" -> ".join(c) for c in cycles]

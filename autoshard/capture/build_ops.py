@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from torch import nn
+
 from autoshard.capture import aten_kinds as ak
 from autoshard.capture.coarsen import Coarsened, _Act, _Coarsener, _Group
+from autoshard.capture.export import ExportedGraph
 from autoshard.capture.ir import Op, OpKind, ParamMeta, TensorMeta
 
-__all__ = ["build_ops"]
+__all__ = ["build_ops", "coarsen"]
 
 _KIND_PRIORITY = [OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV, OpKind.EMBEDDING, OpKind.ATTENTION, OpKind.NORM,
                   OpKind.LOSS, OpKind.SOFTMAX, OpKind.DROPOUT, OpKind.REDUCTION, OpKind.OTHER,
@@ -131,3 +134,10 @@ def _saved(g: _Group, ext_inputs: list[_Act]) -> list[_Act]:
         seen.add(a.node)
         out.append(a)
     return out
+
+
+def coarsen(eg: ExportedGraph, model: nn.Module) -> Coarsened:
+    """The exported graph as the planner's operators: grouped by coarsen.py, then built into `Op`s here."""
+    c = _Coarsener(eg, model)
+    c.run()
+    return build_ops(c)

@@ -29,7 +29,7 @@ from autoshard.capture.export import ExportedGraph
 from autoshard.capture.flops import attention_flops, conv_flops, einsum_flops, gemm_flops, pointwise_flops
 from autoshard.capture.ir import Op, OpKind, TensorMeta
 
-__all__ = ["coarsen", "Coarsened"]
+__all__ = ["Coarsened"]
 
 @dataclass(frozen=True)
 class _Param:
@@ -441,11 +441,3 @@ def _has_float_output(node: fx.Node) -> bool:
     val = node.meta.get("val")
     vals = list(_flatten(val)) if isinstance(val, (list, tuple)) else [val]
     return any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
-
-
-def coarsen(eg: ExportedGraph, model: nn.Module) -> Coarsened:
-    from autoshard.capture.build_ops import build_ops
-
-    c = _Coarsener(eg, model)
-    c.run()
-    return build_ops(c)

@@ -44,7 +44,7 @@ def cache_dir() -> Path:
 @functools.lru_cache(maxsize=1)
 def _code_and_versions() -> str:
     """Versions of what a captured graph depends on, and a hash of autoshard's capture and model code."""
-    import autoshard
+    from autoshard.version import __version__
 
     # the installed versions, without importing torch or transformers (a second or more each): a command
     # whose graph is cached never loads them
@@ -60,7 +60,7 @@ def _code_and_versions() -> str:
         for path in sorted((root / sub).glob("*.py")):
             h.update(path.name.encode())
             h.update(path.read_bytes())
-    return f"{autoshard.__version__}|{'|'.join(versions)}|{h.hexdigest()}|{_FORMAT}"
+    return f"{__version__}|{'|'.join(versions)}|{h.hexdigest()}|{_FORMAT}"
 
 
 def cache_key(spec, name: str) -> str:

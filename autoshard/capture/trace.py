@@ -13,7 +13,7 @@ from torch import nn
 
 from autoshard.capture import disk_cache
 from autoshard.capture.blocks import find_blocks
-from autoshard.capture.coarsen import coarsen
+from autoshard.capture.build_ops import coarsen
 from autoshard.capture.expand import expand_blocks
 from autoshard.capture.export import export_model, positional_inputs
 from autoshard.capture.ir import Op, OpGraph, OpKind

@@ -20,7 +20,6 @@ profile number, so a saved plan does not depend on the profile files of the mach
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import re
@@ -28,10 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoshard.errors import ClusterSpecError
+from autoshard.hardware_profiles.cluster_file import read_cluster_file
+from autoshard.hardware_profiles.names import (
+    MAX_GPUS_ON_LINK,
+    default_link_names,
+    one_line,
+    resolve_gpu_name,
+    resolve_network_name,
+)
 from autoshard.hardware_profiles.profiles import (
     GPUProfile,
     LinkProfile,
-    gpu_names,
     link_names,
     load_gpu,
     load_link,
@@ -44,19 +50,6 @@ CLUSTER_JSON_VERSION = 1
 # The largest single-fabric nodes of the supported GPUs hold 16 (DGX-2 / HGX-2: 16 V100 on NVSwitch,
 # Megatron-LM 2019; 10- and 16-slot PCIe servers exist too). Nothing we model has more.
 MAX_GPUS_PER_NODE = 16
-# GPU baseboards whose fabric ends at 8 GPUs: DGX-1V hybrid cube-mesh, HGX A100 / H100 / H200 8-GPU boards
-# (NVIDIA DGX-1, DGX A100 and DGX H100 datasheets); the DGX-2 NVSwitch fabric joins 16.
-_MAX_GPUS_ON_LINK = {
-    "nvlink-v100-cube": 8,
-    "nvswitch-a100": 8,
-    "nvswitch-h100": 8,
-    "nvswitch-h200": 8,
-    "nvswitch-v100": 16,
-}
-# A V100 node of more than 8 GPUs is a DGX-2(H): NVSwitch inside, 8 EDR InfiniBand adapters out
-# (Megatron-LM 2019: 300 GB/s GPU-to-GPU, 100 GB/s per server over 8 IB adapters; REFERENCES.md §3).
-_CUBE_MESH = "nvlink-v100-cube"
-_DGX2_LINKS = ("nvswitch-v100", "ib-edr-8x100")
 
 _SCALED_FILE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*@\s*(\S+\.ya?ml)\s*$", re.IGNORECASE)
 _SPEC_RE = re.compile(r"^\s*([+-]?\d+)\s*[xX]\s*([+-]?\d+)\s*[xX]\s*([^@\s]+)\s*(?:@\s*(\S+))?\s*$")
@@ -106,12 +99,12 @@ class ClusterSpec:
         self._check_network()
 
     def _check_node_size(self) -> None:
-        limit = _MAX_GPUS_ON_LINK.get(self.intra.name, MAX_GPUS_PER_NODE)
+        limit = MAX_GPUS_ON_LINK.get(self.intra.name, MAX_GPUS_PER_NODE)
         if self.gpus_per_node <= limit:
             return
         where = (
             f"a node of {self.gpu.name} on {self.intra.name}"
-            if self.intra.name in _MAX_GPUS_ON_LINK
+            if self.intra.name in MAX_GPUS_ON_LINK
             else "any supported node"
         )
         nodes = math.ceil(self.num_gpus / limit)
@@ -148,15 +141,12 @@ class ClusterSpec:
         """A spec string NODESxGPUSxGPU[@NETWORK] or the path of a .yaml cluster file (see the module doc)."""
         scaled = _SCALED_FILE_RE.match(text) if isinstance(text, str) else None
         if scaled:
-            from autoshard.hardware_profiles.cluster_file import read_cluster_file  # imports this module
-
-            return read_cluster_file(Path(scaled[3]), nodes=int(scaled[1]), gpus_per_node=int(scaled[2]))
+            return build_cluster(*read_cluster_file(Path(scaled[3]), nodes=int(scaled[1]),
+                                                    gpus_per_node=int(scaled[2])))
         if isinstance(text, os.PathLike) or (
             isinstance(text, str) and text.strip().lower().endswith((".yaml", ".yml"))
         ):
-            from autoshard.hardware_profiles.cluster_file import read_cluster_file  # imports this module
-
-            return read_cluster_file(Path(text))
+            return build_cluster(*read_cluster_file(Path(text)))
         if not isinstance(text, str):
             raise ClusterSpecError(
                 f"cluster spec must be a string or a path, got {type(text).__name__}; expected {_FORM}"
@@ -223,65 +213,6 @@ class ClusterSpec:
             ) from exc
 
 
-# --- names -------------------------------------------------------------------------------------------------
-
-
-def _resolve(given: str, known: list[str]) -> str | None:
-    by_lower = {name.lower(): name for name in known}
-    return by_lower.get(given.strip().lower())
-
-
-def _suggest(given: str, known: list[str]) -> str:
-    by_lower = {name.lower(): name for name in known}
-    close = difflib.get_close_matches(given.strip().lower(), list(by_lower), n=3, cutoff=0.5)
-    return f"; did you mean {' or '.join(by_lower[c] for c in close)}?" if close else ""
-
-
-def resolve_gpu_name(given: str, where: str) -> str:
-    known = gpu_names()
-    name = _resolve(given, known)
-    if name is None:
-        raise ClusterSpecError(
-            f"unknown GPU {given!r} in {where}; known GPUs: {', '.join(known)}{_suggest(given, known)}"
-        )
-    return name
-
-
-def resolve_network_name(given: str, where: str) -> str:
-    networks = link_names("inter")
-    name = _resolve(given, networks)
-    if name is not None:
-        return name
-    if _resolve(given, link_names("intra")) is not None:
-        raise ClusterSpecError(
-            f"{given!r} in {where} is an intra-node link, not a network; "
-            f"known networks: {', '.join(networks)}"
-        )
-    raise ClusterSpecError(
-        f"unknown network {given!r} in {where}; known networks: "
-        f"{', '.join(networks)}{_suggest(given, networks)}"
-    )
-
-
-def resolve_link_name(given: str, scope: str, where: str) -> str:
-    if scope == "inter":
-        return resolve_network_name(given, where)
-    known = link_names("intra")
-    name = _resolve(given, known)
-    if name is None:
-        raise ClusterSpecError(
-            f"unknown intra-node link {given!r} in {where}; known intra-node links: "
-            f"{', '.join(known)}{_suggest(given, known)}"
-        )
-    return name
-
-
-def default_link_names(gpu: GPUProfile, gpus_per_node: int) -> tuple[str, str]:
-    if gpu.intra_node == _CUBE_MESH and gpus_per_node > _MAX_GPUS_ON_LINK[_CUBE_MESH]:
-        return _DGX2_LINKS
-    return gpu.intra_node, gpu.inter_node
-
-
 def build_cluster(
     num_nodes: int,
     gpus_per_node: int,
@@ -320,7 +251,3 @@ def _describe(link: object) -> str:
     if isinstance(link, LinkProfile):
         return f"{link.name!r} of scope {link.scope!r}"
     return type(link).__name__
-
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())

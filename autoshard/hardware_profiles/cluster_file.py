@@ -19,9 +19,7 @@ from pathlib import Path
 import yaml
 
 from autoshard.errors import ClusterSpecError
-from autoshard.hardware_profiles.cluster import (
-    ClusterSpec,
-    build_cluster,
+from autoshard.hardware_profiles.names import (
     default_link_names,
     one_line,
     resolve_gpu_name,
@@ -47,9 +45,11 @@ _NUMBERS += ("hbm_efficiency", "kernel_launch_us", "gpus_per_node", "latency_us"
              "sustained_tensor_fraction")
 
 
-def read_cluster_file(path: Path, *, nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
-    """The cluster a YAML file describes; `nodes` / `gpus_per_node` replace its counts (`NxG@FILE`: a profile
-    measured on a few nodes, used for another size)."""
+def read_cluster_file(path: Path, *, nodes: int | None = None, gpus_per_node: int | None = None
+                      ) -> tuple[int, int, GPUProfile, LinkProfile, LinkProfile, float | None]:
+    """(nodes, GPUs per node, GPU, intra-node link, network, memory GiB or None) of the cluster a YAML file
+    describes (`ClusterSpec.parse` builds it); `nodes` / `gpus_per_node` replace its counts (`NxG@FILE`: a
+    profile measured on a few nodes, used for another size)."""
     where = f"cluster file {str(path)!r}"
     if not path.is_file():
         raise ClusterSpecError(
@@ -82,7 +82,7 @@ def read_cluster_file(path: Path, *, nodes: int | None = None, gpus_per_node: in
         isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0
     ):
         raise ClusterSpecError(f"{where}: memory_gib must be a positive number of GiB, got {memory!r}")
-    return build_cluster(nodes, gpus_per_node, gpu, intra, inter, None if memory is None else float(memory))
+    return nodes, gpus_per_node, gpu, intra, inter, None if memory is None else float(memory)
 
 
 def _count(value: object, key: str, where: str) -> int:

@@ -20,7 +20,7 @@ from autoshard.cost_models.evaluate import Evaluation, evaluate
 from autoshard.cost_models.memory import ALLOCATORS, PRECISIONS
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import ConfigurationError, require_positive
-from autoshard.planner.manual import even_stage_layers, megatron_assignment
+from autoshard.planner.manual import megatron_assignment
 from autoshard.planner.stages import balanced_stage_layers
 from autoshard.plans.contract import (
     attention_head_counts,
@@ -31,7 +31,7 @@ from autoshard.plans.contract import (
     projection_head_slices,
 )
 from autoshard.plans.layouts import MeshSpec
-from autoshard.plans.plan import SCHEDULES, OpPlan, PipelineSpec, Plan, graph_fields
+from autoshard.plans.plan import SCHEDULES, OpPlan, PipelineSpec, Plan, even_stage_layers, graph_fields
 
 __all__ = ["HandConfig", "estimate", "check_batch", "check_context_parallel", "check_expert_parallel"]
 

@@ -9,8 +9,6 @@ from `strategies_in`, so a hand configuration is priced by exactly the functions
 
 from __future__ import annotations
 
-import functools
-
 from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind
 from autoshard.cost_models.template import template_for
@@ -19,7 +17,7 @@ from autoshard.plans.layouts import FEAT, REPLICATE, SEQ, Layout, MeshSpec
 from autoshard.plans.plan import OpStrategy, PipelineSpec
 from autoshard.plans.strategies import fits, rebind, strategies_in, with_dp
 
-__all__ = ["megatron_assignment", "tp_origins", "even_stage_layers"]
+__all__ = ["megatron_assignment", "tp_origins"]
 
 _ORIGIN_TP_KINDS = (OpKind.ATTENTION, OpKind.MATMUL)
 _ORIGIN_REP_KINDS = (OpKind.NORM, OpKind.EMBEDDING, OpKind.INPUT, OpKind.INDEX, OpKind.CONV, OpKind.LOSS,
@@ -110,13 +108,3 @@ def _choose(graph, op, cands, origin, mesh, micro_batch, sp):
                                    if m.batch_dims):
         want = with_dp(Layout(), mesh)
     return _pick(cands, output=want) or _pick(cands, output=with_dp(Layout(), mesh))
-
-
-@functools.cache
-def even_stage_layers(num_layers: int, chunks: int) -> tuple[tuple[int, int], ...]:
-    """Megatron's partition: the same number of layers in every chunk."""
-    if chunks < 1 or num_layers % chunks:
-        raise ConfigurationError(f"{num_layers} layers do not split evenly into {chunks} pipeline chunks "
-                                 "(pipeline degree x virtual stages); pick a degree that divides the layer count")
-    per = num_layers // chunks
-    return tuple((i * per, (i + 1) * per) for i in range(chunks))

@@ -7,6 +7,7 @@ operator split. The runtime reads nothing else; `explain` reads the costs kept b
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -15,12 +16,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from autoshard.capture.ir import OpGraph, OpKind, is_call_of
-from autoshard.errors import PlanFileError
+from autoshard.errors import ConfigurationError, PlanFileError
 from autoshard.plans.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.plans.layouts import Layout, MeshSpec
 
 __all__ = ["ParamPlacement", "OpStrategy", "OpPlan", "PipelineSpec", "Prediction", "Plan", "PLAN_VERSION",
-           "SCHEDULES", "RECOMPUTE_MODES", "graph_fields", "check_fingerprint"]
+           "SCHEDULES", "RECOMPUTE_MODES", "graph_fields", "check_fingerprint", "even_stage_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -382,3 +383,13 @@ def _unplaced_differences(plan: Plan, graph: OpGraph) -> str:
 
 def _shape(shape: tuple[int, ...]) -> str:
     return f"({', '.join(map(str, shape))})"
+
+
+@functools.cache
+def even_stage_layers(num_layers: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """Megatron's partition: the same number of layers in every chunk."""
+    if chunks < 1 or num_layers % chunks:
+        raise ConfigurationError(f"{num_layers} layers do not split evenly into {chunks} pipeline chunks "
+                                 "(pipeline degree x virtual stages); pick a degree that divides the layer count")
+    per = num_layers // chunks
+    return tuple((i * per, (i + 1) * per) for i in range(chunks))

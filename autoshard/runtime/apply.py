@@ -47,10 +47,11 @@ from autoshard.runtime.mesh import (
     expert_parallel_meshes,
 )
 from autoshard.runtime.norms import statistics_parallel_forward
-from autoshard.runtime.parallel_module import ParallelModule, RuntimeState, make_parallel
+from autoshard.runtime.parallel_module import ParallelModule, make_parallel
 from autoshard.runtime.precision import compute_dtype, precision_for_device
 from autoshard.runtime.recompute import apply_recompute
 from autoshard.runtime.specs import ModuleSpec, module_specs
+from autoshard.runtime.state import RuntimeState
 from autoshard.runtime.tensor_parallel import ModuleRuntime, distribute_parameters, install_module_runtimes
 
 __all__ = ["apply_plan", "materializes_scores"]

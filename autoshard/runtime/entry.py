@@ -1,15 +1,16 @@
-"""`autoparallel`: the public entry point that parallelizes a model for this rank.
+"""`autoparallel` on the ranks: parallelize a model for this rank of a job, with a plan.
 
-It resolves the cluster, joins (or starts) the process group, gets a plan (made on rank 0 and broadcast when
-none is given, see rank0.py), checks that the job and the model match it, builds the mesh and applies the plan
-(apply.py; pipeline.py for plans with pipeline stages).
+It resolves the cluster, joins (or starts) the process group, gets the plan (given, or made on rank 0 by the
+caller's `make_plan` and broadcast: rank0.py), checks that the job and the model match it, builds the mesh and
+applies the plan (apply.py; pipeline.py for plans with pipeline stages). The public `autoshard.autoparallel`
+(api.py) calls it with the planner's `make_plan`; the runtime imports no planning code.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,31 +80,30 @@ def _cluster_spec(cluster, num_ranks: int):
 
 
 def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_inputs, global_batch: int,
-                 plan: Plan | str | os.PathLike | None = None, space: str | Iterable[str] | None = None,
-                 memory_cap: float | None = None, loss_fn: Callable | None = None, graph: OpGraph | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, time_limit_s: float = 20.0) -> ParallelModule:
-    """Parallelize `model` for this rank of a `cluster` job; call on every rank.
+                 plan: Plan | str | os.PathLike | None = None, loss_fn: Callable | None = None,
+                 graph: OpGraph | None = None, timeout_s: float | None = None,
+                 make_plan: Callable[..., Plan] | None = None) -> ParallelModule:
+    """Parallelize `model` for this rank of a `cluster` job with `plan`; call on every rank.
 
-    `plan=None` plans now: rank 0 captures `model` with `example_inputs` (inputs of any batch size, e.g. token
-    ids (B, S)), searches the plan for `global_batch` over `space` (families as in `autoshard plan --space`;
-    by default every family the runtime runs without pipeline stages) under `memory_cap` GiB per device,
-    logs it and broadcasts it. A given `Plan` or plan file is checked against the model (rank 0 captures it and
-    compares fingerprints; `graph`, the plan's `OpGraph`, skips that capture). The returned module is `model`
-    itself (same parameter names) with `.plan`, `.mesh` and `.shard_inputs(global_inputs)`; its outputs are
-    this rank's batch slice as ordinary tensors. `loss_fn(output, target)` is needed by pipelined plans
-    (space with pp), which train through `train_step`.
+    A given `Plan` or plan file is checked against the model (rank 0 captures it and compares fingerprints;
+    `graph`, the plan's `OpGraph`, skips that capture). `plan=None`: rank 0 calls `make_plan(model, cluster,
+    inputs, graph=graph)` and broadcasts its plan (`autoshard.autoparallel` passes the planner's). The returned
+    module is `model` itself (same parameter names) with `.plan`, `.mesh` and `.shard_inputs(global_inputs)`;
+    its outputs are this rank's batch slice as ordinary tensors. `loss_fn(output, target)` is needed by
+    pipelined plans, which train through `train_step`.
     """
     inputs = positional_inputs(model, example_inputs)
     num_ranks, device_type = resolve_cluster(cluster)
-    init_distributed(device_type=device_type, timeout_s=timeout_s)
+    init_distributed(device_type=device_type, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     with distributed_phase("autoparallel"):  # a failure on one rank names it on every rank
         if plan is None:
-            plan = plan_on_rank0(model, _cluster_spec(cluster, num_ranks), inputs, global_batch=global_batch,
-                                 space=space, memory_cap=memory_cap, graph=graph, time_limit_s=time_limit_s)
+            if make_plan is None:
+                raise ConfigurationError("no plan given: pass plan= (a Plan or a plan file), or call "
+                                         "autoshard.autoparallel, which plans on rank 0")
+            spec = _cluster_spec(cluster, num_ranks)
+            plan = plan_on_rank0(lambda: make_plan(model, spec, inputs, graph=graph))
         else:
             plan = _load_plan(plan)
-            if space is not None or memory_cap is not None:
-                log.info("space / memory_cap steer the planner; ignored because a plan was given")
             if graph is None:
                 check_plan_on_rank0(plan, model, inputs)
             else:

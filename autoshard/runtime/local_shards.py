@@ -41,8 +41,8 @@ from torch.utils import _pytree as pytree
 
 from autoshard.plans.layouts import BATCH, PARTIAL, Layout
 from autoshard.plans.plan import Plan
-from autoshard.runtime.parallel_module import RuntimeState
 from autoshard.runtime.specs import ModuleSpec, is_call_of, producers_of, sent_layout
+from autoshard.runtime.state import RuntimeState
 
 __all__ = ["choose_local_shards", "plan_blocks_local_shards", "uneven_example", "dropout_in"]
 

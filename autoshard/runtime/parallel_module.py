@@ -18,12 +18,10 @@ model's own on ordinary tensors, with FSDP2 around its blocks as torchtitan appl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils import _pytree as pytree
 
 from autoshard.capture.export import training_outputs
@@ -31,35 +29,10 @@ from autoshard.errors import ConfigurationError
 from autoshard.plans.plan import Plan
 from autoshard.runtime.context_parallel import head_tail_positions, shard_sequence
 from autoshard.runtime.dtensor_ext import SPMDMode
+from autoshard.runtime.state import RuntimeState
 from autoshard.runtime.tensor_parallel import from_local_shard
 
-__all__ = ["ParallelModule", "RuntimeState", "make_parallel"]
-
-
-@dataclass
-class RuntimeState:
-    plan: Plan
-    mesh: DeviceMesh
-    spmd: bool = True  # False: a plan without tensor-parallel axes runs on plain tensors (apply.py)
-    local: bool = False  # True: the model's own code runs on local shards, DTensors only in planned modules
-    local_batch: int | None = None  # this rank's batch size in the current forward (local mode)
-    why_not_local: str = "no example inputs to check it on"  # when not `local` (local_shards.py)
-    cp: int = 1  # context parallel degree: the mesh's dp dim is dp x cp (runtime/context_parallel.py)
-    cp_rank: int = 0
-
-    @property
-    def dp_degree(self) -> int:
-        names = self.mesh.mesh_dim_names or ()
-        return self.mesh.size(names.index("dp")) if "dp" in names else 1
-
-    def input_placements(self, x: torch.Tensor) -> list[Placement]:
-        """A local input slice: sharded on dp along its batch dim 0, replicated elsewhere."""
-        return [Shard(0) if name == "dp" and x.dim() > 0 else Replicate() for name in self.mesh.mesh_dim_names]
-
-    def output_placements(self, y: DTensor) -> list[Placement]:
-        """Keep the dp batch shard (this rank's slice), gather or reduce everything else."""
-        return [p if name == "dp" and p == Shard(0) else Replicate()
-                for name, p in zip(self.mesh.mesh_dim_names, y.placements, strict=True)]
+__all__ = ["ParallelModule", "make_parallel"]
 
 
 class ParallelModule:

@@ -63,7 +63,7 @@ from autoshard.runtime.data_parallel import (
 )
 from autoshard.runtime.dtensor_ext import SPMDMode, register_dtensor_rules
 from autoshard.runtime.mesh import build_device_mesh
-from autoshard.runtime.parallel_module import ParallelModule, RuntimeState
+from autoshard.runtime.parallel_module import ParallelModule
 from autoshard.runtime.pipeline_split import (
     PipelineChunk,
     TiedCopy,
@@ -76,6 +76,7 @@ from autoshard.runtime.pipeline_train import PipelineState, TiedSync, train_step
 from autoshard.runtime.precision import compute_dtype, precision_for_device
 from autoshard.runtime.recompute import apply_recompute
 from autoshard.runtime.specs import ModuleSpec, module_specs
+from autoshard.runtime.state import RuntimeState
 from autoshard.runtime.tensor_parallel import distribute_parameters, install_module_runtimes, param_layouts
 
 if TYPE_CHECKING:
@@ -279,7 +280,7 @@ def _stage_layers(plan: Plan, num_blocks: int) -> tuple[tuple[int, int], ...]:
         return tuple(tuple(x) for x in pipe.stage_layers)
     if chunks == 1:
         return ((0, num_blocks),)
-    from autoshard.planner.manual import even_stage_layers
+    from autoshard.plans.plan import even_stage_layers
 
     log.info("the plan gives no stage_layers: %d blocks split evenly into %d chunks", num_blocks, chunks)
     return even_stage_layers(num_blocks, chunks)

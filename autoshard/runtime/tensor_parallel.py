@@ -48,7 +48,7 @@ from autoshard.runtime.placements import activation_placements, param_placements
 from autoshard.runtime.specs import ModuleSpec, param_owners
 
 if TYPE_CHECKING:  # parallel_module imports this module
-    from autoshard.runtime.parallel_module import RuntimeState
+    from autoshard.runtime.state import RuntimeState
 
 __all__ = ["distribute_parameters", "ModuleRuntime", "install_module_runtimes", "redistribute_activation",
            "param_layouts"]

@@ -18,8 +18,9 @@ from dist_models import build, example_batch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autoshard import autoparallel
 from autoshard.measure import local_param_bytes, measure_step_comm
-from autoshard.runtime import apply_plan, autoparallel, build_device_mesh
+from autoshard.runtime import apply_plan, build_device_mesh
 from autoshard.runtime.split import SplitLinear
 
 __all__ = ["compare_cases", "loss_of", "full_named", "all_experts", "results_by_case", "assert_matches_one_process",

@@ -156,7 +156,7 @@ def rank_fails_in_train_step(rank: int, world: int, case: dict) -> dict:
     with `case["plan"]` when `case["public_api"]`, else `apply_plan`."""
     from torch.distributed import distributed_c10d as c10d
 
-    from autoshard.runtime import autoparallel
+    from autoshard import autoparallel
     from autoshard.runtime.failure import _timeout_of
 
     model = build(case["model"], seed=0)

@@ -78,7 +78,7 @@ def make_pipeline_plan(graph, degrees: dict[str, int], family: str, *, global_ba
     """A `dist_plans` family plan on a mesh with a pp axis, plus the pipeline: even chunks, loop placement."""
     from dist_plans import make_plan
 
-    from autoshard.planner.manual import even_stage_layers
+    from autoshard.plans.plan import even_stage_layers
 
     mesh = MeshSpec.of(**degrees)
     plan = make_plan(graph, mesh, family, global_batch=global_batch, zero=zero)
@@ -99,7 +99,7 @@ def _parallelize(model: nn.Module, case: dict, x: torch.Tensor) -> nn.Module:
     if case.get("public_api"):
         import torch.distributed as dist
 
-        from autoshard.runtime import autoparallel
+        from autoshard import autoparallel
 
         return autoparallel(model, f"1x{dist.get_world_size()}xcpu", example_inputs=(x[:2],),
                             global_batch=case["batch"], plan=plan, graph=case["graph"], loss_fn=loss_fn)

@@ -98,7 +98,7 @@ def _case(case_id: str, model, layers, degrees, family, global_batch, micro_batc
 def _public_api_wired() -> bool:
     import inspect
 
-    from autoshard.runtime import autoparallel
+    from autoshard import autoparallel
 
     return "loss_fn" in inspect.signature(autoparallel).parameters
 

@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard.errors import ConfigurationError, PlanFileError
+from autoshard.planner.for_runtime import RUNTIME_SPACE, runtime_space
 from autoshard.plans.layouts import BATCH, FEAT, IN, OUT, PARTIAL, SEQ, MeshSpec, layout
 from autoshard.runtime.placements import activation_placements, param_placements
-from autoshard.runtime.rank0 import RUNTIME_SPACE, runtime_space
 from autoshard.runtime.specs import module_specs
 from autoshard.runtime.split import SplitLinear
 

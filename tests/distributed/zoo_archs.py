@@ -177,7 +177,7 @@ def run_case(case: dict) -> dict:
     parameter after three AdamW steps."""
     import copy
 
-    from autoshard.runtime import autoparallel
+    from autoshard import autoparallel
 
     name = case["arch"]
     model = build(name)
