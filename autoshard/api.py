@@ -7,7 +7,7 @@ from dataclasses import replace as dc_replace
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.models.names import is_zoo_or_spec, resolve_spec
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.plans.contract import expert_parallel_degrees, num_experts
+from autoshard.planner.outer import best_plan
 from autoshard.plans.plan import graph_fields
 
 __all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph", "autoparallel"]
@@ -203,91 +203,17 @@ def plan(model, cluster, *, example_inputs=None, global_batch: int | None = None
     gb, cap, searched = _default_global_batch(cluster, global_batch), _cap_bytes(cluster, memory_cap), parse_space(space)
     require_positive("time_limit_s", time_limit_s, integer=False, unit=" of seconds")
     graph = load_graph(model, example_inputs=example_inputs, seq=seq, attention=attention)
-    result, _ = _best_plan(model, graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
-                           time_limit_s=time_limit_s, progress=progress, attention=attention)
+    result, _ = best_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap, time_limit_s=time_limit_s,
+                          progress=progress, local_graph=_local_graphs(model, attention))
     return result
 
 
-# Context parallelism is searched from this many tokens per sequence up (a search-cost cut, not a claim that
-# CP never pays below it: `estimate --cp` prices any length); each cp rank keeps at least CP_MIN_LOCAL_SEQ.
-CP_MIN_SEQ = 32768
-CP_MIN_LOCAL_SEQ = 4096
-
-
-def context_parallel_degrees(model, graph, cluster, space: frozenset[str]) -> list[int]:
-    """The cp degrees the planner tries for `model`: with "cp" in the space, a causal decoder with a fused
-    attention kernel given by reference (its rank-local graph is captured at seq / cp), without
-    mixture-of-experts layers, sequences of at least CP_MIN_SEQ tokens, cp dividing the GPUs and cutting each
-    sequence into 2 x cp equal chunks."""
-    from autoshard.planner.estimate import check_context_parallel
-
-    seq = graph.seq_len
-    if "cp" not in space or not isinstance(model, str) or not seq or seq < CP_MIN_SEQ or num_experts(graph):
-        return []  # (the runtime does not run CP with mixture-of-experts layers)
-    out = []
-    for cp in (2, 4, 8, 16, 32):
-        if cluster.num_gpus % cp or seq % (2 * cp) or seq // cp < CP_MIN_LOCAL_SEQ:
-            continue
-        try:
-            check_context_parallel(graph, cp)
-        except ConfigurationError:
-            continue
-        out.append(cp)
-    return out
-
-
-def _best_plan(model, graph, cluster, *, global_batch, space, cap_bytes, time_limit_s, progress, attention):
-    """(plan, search) of the fastest plan over `space`: the search on the whole graph, and with "cp" in the
-    space one search per context-parallel degree on that degree's rank-local graph (data parallel, ZeRO and
-    tensor parallelism around it, no pipeline: what the runtime runs with cp), and for a mixture-of-experts
-    model with "ep" in the space one search per expert-parallel degree. The SearchResult's `context_parallel` and `expert_parallel` say how CP
-    and EP compared with the best plan without them."""
-    from autoshard.errors import InfeasiblePlanError
-    from autoshard.planner.planning import make_plan
-
-    best, first_error, without_cp = None, None, None
-    try:
-        best = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp", "ep"}, cap_bytes=cap_bytes,
-                         time_limit_s=time_limit_s, progress=progress)
-        without_cp = best[0].prediction.iteration_time_s
-    except InfeasiblePlanError as exc:
-        first_error = exc
-    without_ep, by_ep = without_cp, {}
-    for ep in expert_parallel_degrees(graph, cluster.num_gpus) if "ep" in space else ():
-        if progress is not None:
-            progress(f"expert parallel {ep}: searching")
-        try:
-            p, r = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp"}, cap_bytes=cap_bytes,
-                             time_limit_s=time_limit_s, progress=progress, ep=ep)
-        except InfeasiblePlanError:
-            by_ep[ep] = None
-            continue
-        by_ep[ep] = p.prediction.iteration_time_s
-        if best is None or by_ep[ep] < best[0].prediction.iteration_time_s:
-            best = (p, r)
-    tried = {}
-    for cp in context_parallel_degrees(model, graph, cluster, space):
-        if progress is not None:
-            progress(f"context parallel {cp}: capturing the rank-local graph ({graph.seq_len // cp} tokens)")
-        local = load_graph(model, seq=graph.seq_len // cp, attention=attention)
-        try:
-            p, r = make_plan(local, cluster, global_batch=global_batch * cp, space=space - {"cp", "ep", "pp"},
-                             cap_bytes=cap_bytes, time_limit_s=time_limit_s, progress=progress, cp=cp)
-        except InfeasiblePlanError:
-            tried[cp] = None
-            continue
-        tried[cp] = p.prediction.iteration_time_s
-        p = dc_replace(p, **graph_fields(graph))
-        if best is None or p.prediction.iteration_time_s < best[0].prediction.iteration_time_s:
-            best = (p, r)
-    if best is None:
-        raise first_error
-    if tried:
-        best[1].context_parallel = {"chosen_cp": best[0].mesh.degree("cp"), "without_cp_s": without_cp,
-                                    "by_cp_s": tried}
-    if by_ep:
-        best[1].expert_parallel = {"chosen_ep": best[0].ep, "without_ep_s": without_ep, "by_ep_s": by_ep}
-    return best
+def _local_graphs(model, attention: str):
+    """seq -> the model's graph captured at seq tokens, for the planner's context-parallel search (a model
+    given by reference only: a module's inputs fix its length)."""
+    if not isinstance(model, str):
+        return None
+    return lambda seq: load_graph(model, seq=seq, attention=attention)
 
 
 def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq: int | None = None,
@@ -301,8 +227,9 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
     gb, cap, searched = _default_global_batch(cluster, global_batch), _cap_bytes(cluster, memory_cap), parse_space(space)
     require_positive("time_limit_s", time_limit_s, integer=False, unit=" of seconds")
     graph = load_graph(model, seq=seq, attention=attention)
-    the_plan, result = _best_plan(model, graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
-                                  time_limit_s=time_limit_s, progress=progress, attention=attention)
+    the_plan, result = best_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
+                                 time_limit_s=time_limit_s, progress=progress,
+                                 local_graph=_local_graphs(model, attention))
     if progress is not None:
         progress("pricing the baselines")
     baselines = compute_baselines(graph, cluster, global_batch=gb, cap_bytes=cap)

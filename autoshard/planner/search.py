@@ -100,7 +100,7 @@ class SearchResult:
     # False when an ILP stopped at its time limit or the search at its budget: the plan is the best found
     # (the incumbent), not proven the fastest in the space
     optimal: bool = True
-    # with "cp" in the space (api._best_plan): {"chosen_cp": cp of the plan (1: none), "without_cp_s": the best
+    # with "cp" in the space (planner/outer.py best_plan): {"chosen_cp": cp of the plan (1: none), "without_cp_s": the best
     # plan without CP (None: none fits), "by_cp_s": {cp: best iteration time, None where nothing fits}}
     context_parallel: dict | None = None
     # with "ep" in the space and a mixture-of-experts model, likewise: {"chosen_ep", "without_ep_s", "by_ep_s"}

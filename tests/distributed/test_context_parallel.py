@@ -28,7 +28,7 @@ BATCH = 4
 
 # id: (world size, model, dp, cp, plan options); qwen2: grouped-query attention (2 key/value heads of 4);
 # "recompute": full recompute, whose recomputed attention gathers the keys and values again; "planner": the
-# plan the planner's CP search returns (planning.make_plan with cp, as api._best_plan calls it), not a family
+# plan the planner's CP search returns (planning.make_plan with cp, as planner/outer.py best_plan calls it), not a family
 CASES = {
     "llama-cp2": (2, "llama", 1, 2, {}),
     "llama-cp2-full-recompute": (2, "llama", 1, 2, {"recompute": "full"}),

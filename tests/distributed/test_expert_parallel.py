@@ -33,7 +33,7 @@ ATOL = 1e-5
 BATCH = 4
 
 # id: (world size, dp, ep, plan options); "planner": the plan the planner's search for that ep degree returns
-# (planning.make_plan with ep, as api._best_plan calls it), not a family
+# (planning.make_plan with ep, as planner/outer.py best_plan calls it), not a family
 CASES = {
     "mixtral-ep2": (2, 2, 2, {}),
     "mixtral-ep4": (4, 4, 4, {}),
