@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))  # autoshard from this checkout
 
-import validate_published as vp  # noqa: E402 - the tool's calls, in-process
+from autoshard.validation import published as vp  # noqa: E402 - the tool's calls, in-process
 
 OUT = ROOT / "benchmarks" / "engine_defaults"
 MAX_MAPE, MAX_BIAS = 6.0, 4.0  # issue 14's bar: published.py --max-mape 6, no group's signed error beyond +-4%

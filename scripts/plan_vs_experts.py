@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))  # autoshard from this checkout
 
 
 def row_case(r: dict) -> dict:
-    import validate_published as vp
+    from autoshard.validation import published as vp
 
     args = vp.tool.estimate_args(r)
     cluster = args[args.index("--cluster") + 1]

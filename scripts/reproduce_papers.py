@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))  # autoshard from this checkout
 
 PAPERS = {
     "optimus_2d_vs_1d": 1.48, "3d_vs_1d": 2.32, "3d_vs_2d": 1.57, "osdp_vs_fsdp_gpt2": 1.22,
@@ -223,7 +223,7 @@ def _osdp_claims(out: dict) -> None:
 
 
 def _lga_claim(out: dict) -> None:
-    import shortest_training_time as stt
+    from autoshard.validation import training_time as stt
 
     res = stt.analyse("gpt-1t", "A100-80GB", None, 1e12, 3072)  # the sweep of benchmarks/shortest_training_time
     b, i = res["baseline"]["best"], res["layered_modular"]["best"]

@@ -5,14 +5,10 @@ whose new predictions must be reviewed), and no plan may lose to a baseline.
 Regenerate the golden file with `python scripts/update_golden.py` and review its diff in the commit."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import update_golden  # noqa: E402
+from autoshard.validation import golden as update_golden
 
 GOLDEN = json.loads(update_golden.GOLDEN.read_text())
 

@@ -11,14 +11,13 @@ Two kinds of check, so that a wrong cost model fails here in either direction:
 
 import filecmp
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from autoshard.validation import published as vp
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import validate_published as vp  # noqa: E402
 
 RECORDED = json.loads((ROOT / "benchmarks" / "published_validation.json").read_text())
 
