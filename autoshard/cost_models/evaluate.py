@@ -61,7 +61,8 @@ from autoshard.plans.strategies import same_strategy
 __all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
-           "stage_units", "recompute_stops_before", "optimizer_s"]
+           "stage_units", "recompute_stops_before", "optimizer_s", "edge_step_s", "edge_time_s",
+           "optimizer_s_per_state_byte"]
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.recompute_peak += c.recompute_peak_bytes  # once: one block is recomputed at a time
     for e in tg.edges:
         c = edges[(e.src, e.dst, e.index)]
-        t = c.time_s + (c.fwd_s if ctx.recompute == "full" and e.in_block else 0.0)
+        t = edge_step_s(c, e.in_block, ctx)
         hidden = _beside_wgrad(c.bwd_s, e.dst, op_costs, graph, ctx)
         for k, n in enumerate(e.per_stage):
             stages[k].tp += n * t
@@ -549,3 +550,23 @@ def evaluate(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pi
                       stage_memory=tuple(mems), stage_time_s=tuple(per_mb))
 
 
+def edge_step_s(c: EdgeCost, in_block: bool, ctx: PlanContext) -> float:
+    """Seconds of an edge per micro-batch on the critical path: its redistribution both ways, and under full
+    recompute the forward's again where the edge is inside a block (recomputed up to where the checkpoint
+    stops: `TemplateEdge.in_block`)."""
+    return c.time_s + (c.fwd_s if ctx.recompute == "full" and in_block else 0.0)
+
+
+def edge_time_s(e, src: Layout, key: tuple, ctx: PlanContext) -> float:
+    """Seconds to bring template edge `e` from producer layout `src` to consumer key `key` (and its gradient
+    back); under full recompute an edge inside a block is redistributed again in the recomputed forward."""
+    return edge_step_s(edge_cost(e.meta, src, key[0], key[1], ctx, regather=key[2], **e.shares), e.in_block, ctx)
+
+
+def optimizer_s_per_state_byte(ctx: PlanContext) -> float:
+    """Seconds of the optimizer step per byte of optimizer state (`OpCost.optim_bytes` counts the master
+    weights and moments): the step streams the local shard's states through HBM."""
+    precision = ctx.precision
+    step_bytes = optimizer_step_bytes(1.0, precision, fused=ctx.fused_pointwise)
+    hbm = ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency
+    return step_bytes / (precision.master_bytes + precision.optim_bytes) / hbm

@@ -16,8 +16,10 @@ from typing import NamedTuple
 from autoshard.cost_models.bounds import knapsack_lp_min
 from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.evaluate import (
+    edge_time_s,
     inflight_microbatches,
     op_sites,
+    optimizer_s_per_state_byte,
     pipeline_fill,
     sink_layout,
     stage_units,
@@ -25,13 +27,7 @@ from autoshard.cost_models.evaluate import (
 from autoshard.cost_models.memory import framework_overhead_bytes
 from autoshard.cost_models.opcost import edge_cost, kernel_times_s, repeats_forward
 from autoshard.cost_models.template import template_for
-from autoshard.planner.ilp import (
-    binding_stages,
-    consumer_key,
-    edge_time_s,
-    fixed_stage_rows,
-    optimizer_s_per_state_byte,
-)
+from autoshard.planner.ilp import binding_stages, consumer_key, fixed_stage_rows
 
 __all__ = ["knapsack_bound_s", "knapsack_bounds", "compute_bound_s", "edge_times"]
 

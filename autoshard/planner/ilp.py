@@ -74,25 +74,26 @@ import pulp
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.evaluate import (
+    edge_time_s,
     inflight_microbatches,
     loss_per_stage,
     op_sites,
+    optimizer_s_per_state_byte,
     pipeline_fill,
     sink_layout,
     stage_units,
 )
 from autoshard.cost_models.host import optimizer_host_s, separate_host
-from autoshard.cost_models.memory import framework_overhead_bytes, optimizer_step_bytes
+from autoshard.cost_models.memory import framework_overhead_bytes
 from autoshard.cost_models.opcost import OpCost, edge_cost, grad_partial_axes, op_cost
 from autoshard.cost_models.template import TemplateGraph, template_for
 from autoshard.plans.breakdown import GIB
-from autoshard.plans.layouts import Layout
 from autoshard.plans.physical import physical_key
 from autoshard.plans.plan import OpStrategy, PipelineSpec
 from autoshard.plans.strategies import rebind
 
 __all__ = ["StratVar", "EdgeVar", "Problem", "Solution", "build_problem", "solve", "relaxation_bound",
-           "extract_assignment", "expand_assignment", "edge_time_s", "optimizer_s_per_state_byte",
+           "extract_assignment", "expand_assignment",
            "fixed_stage_rows", "stage_shape", "binding_stages"]
 
 log = logging.getLogger(__name__)
@@ -174,13 +175,6 @@ def _groups(items: list, key) -> tuple[list, list[int]]:
     return list(index), of
 
 
-def edge_time_s(e, src: Layout, key: tuple, ctx: PlanContext) -> float:
-    """Seconds to bring template edge `e` from producer layout `src` to consumer key `key` (and its gradient
-    back); under full recompute an edge inside a block is redistributed again in the recomputed forward."""
-    c = edge_cost(e.meta, src, key[0], key[1], ctx, regather=key[2], **e.shares)
-    return c.time_s + (c.fwd_s if ctx.recompute == "full" and e.in_block else 0.0)
-
-
 def _edge_vars(lp, tg, strategies, x, ctx, edge_time):
     """Edge variables; returns per-stage lists of (variable, seconds) terms."""
     num_stages = len(next(iter(tg.per_stage.values())))
@@ -222,15 +216,6 @@ def _output_costs(tg, strategies, x, ctx, stage_of_t):
 
 def _op(tg: TemplateGraph, name: str):
     return next(op for op in tg.ops if op.name == name)
-
-
-def optimizer_s_per_state_byte(ctx: PlanContext) -> float:
-    """Seconds of the optimizer step per byte of optimizer state (`OpCost.optim_bytes` counts the master
-    weights and moments): the step streams the local shard's states through HBM."""
-    precision = ctx.precision
-    step_bytes = optimizer_step_bytes(1.0, precision, fused=ctx.fused_pointwise)
-    hbm = ctx.gpu.hbm_gbps * 1e9 * ctx.gpu.hbm_efficiency
-    return step_bytes / (precision.master_bytes + precision.optim_bytes) / hbm
 
 
 def _overlap_rows(lp, name: str, comm, compute, *, units: int, slowdown: float, per: float = 1.0):
