@@ -218,8 +218,8 @@ def _local_graphs(model, attention: str):
 
 def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq: int | None = None,
                         memory_cap: float | None = None, space: str | None = None, time_limit_s: float = 20.0,
-                        progress=None, attention: str = "auto"):
-    """(Plan, SearchResult, baselines, graph, cluster) for the CLI."""
+                        progress=None, attention: str = "auto", baselines: bool = True):
+    """(Plan, SearchResult, baselines, graph, cluster) for the CLI; `baselines=False`: no baselines ({})."""
     from autoshard.planner.baselines import compute_baselines
     from autoshard.planner.search import parse_space
 
@@ -230,10 +230,12 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
     the_plan, result = best_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
                                  time_limit_s=time_limit_s, progress=progress,
                                  local_graph=_local_graphs(model, attention))
-    if progress is not None:
-        progress("pricing the baselines")
-    baselines = compute_baselines(graph, cluster, global_batch=gb, cap_bytes=cap)
-    return the_plan, result, baselines, graph, cluster
+    priced = {}
+    if baselines:
+        if progress is not None:
+            progress("pricing the baselines")
+        priced = compute_baselines(graph, cluster, global_batch=gb, cap_bytes=cap)
+    return the_plan, result, priced, graph, cluster
 
 
 def autoparallel(model, cluster, *, example_inputs, global_batch: int, plan=None, space=None,

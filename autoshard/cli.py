@@ -286,6 +286,17 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+def _cmd_check(args) -> int:
+    from autoshard.check import check_plan
+
+    args.progress(f"re-planning {args.model} against {args.against}")
+    result = check_plan(args.model, args.against, tolerance=args.tolerance, memory_cap=args.memory_cap,
+                        time_limit_s=args.time_limit, progress=args.progress)
+    args.progress.close()
+    _emit(args, result.to_json(), "\n".join(result.lines()))
+    return 0 if result.ok else 1
+
+
 def _cmd_hardware(args) -> int:
     from autoshard.hardware_profiles import hardware_table
 
@@ -378,6 +389,13 @@ def _check_args(args) -> None:
     for name in ints.get(args.command, ()):
         if getattr(args, name) is not None:
             require_positive(name, getattr(args, name))
+    if args.command == "check":
+        from autoshard.check import parse_tolerance
+
+        parse_tolerance(args.tolerance)
+        require_positive("time_limit_s", args.time_limit, integer=False, unit=" of seconds")
+        if args.memory_cap is not None:
+            require_positive("memory_cap", args.memory_cap, integer=False, unit=" of GiB")
     if args.command == "plan":
         if args.memory_cap is not None:
             require_positive("memory_cap", args.memory_cap, integer=False, unit=" of GiB")
@@ -561,6 +579,19 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
     ms.add_argument("--json", action="store_true")
     ms.set_defaults(func=_cmd_measure)
+
+    c = sub.add_parser("check", help="for CI: re-plan MODEL on a committed plan's cluster, batch and sequence "
+                                     "and fail (exit 1) if it got slower, needs more memory or no longer fits")
+    c.add_argument("model", help="the model as it is now (zoo name, spec or module:factory)")
+    c.add_argument("--against", required=True, help="the committed plan file (`autoshard plan -o`)")
+    c.add_argument("--tolerance", default="2%", help="allowed throughput drop / memory growth (default 2%%)")
+    c.add_argument("--memory-cap", type=float, default=None, help="GiB per GPU (default: the GPU's memory)")
+    c.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")
+    c.add_argument("--no-cache", action="store_true",
+                   help="capture the model again instead of reading the graph cache (~/.cache/autoshard)")
+    c.add_argument("--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=_cmd_check)
 
     h = sub.add_parser("hardware", help="list the GPU and interconnect profiles")
     h.add_argument("--json", action="store_true")

@@ -96,6 +96,15 @@ class PlanContext:
         return ALLOCATOR_FRAGMENTATION[self.allocator]
 
     @property
+    def autoshards_engine(self) -> bool:
+        """The step runs on autoshard's runtime (or torchtitan's, the same parts: FSDP2 with DTensor parameters,
+        DTensor tensor parallelism, torch.optim.AdamW), not on another engine's kernels that `estimate`
+        prices (Megatron's fused kernels, a fused loss, DeepSpeed's ZeRO-3, overlapped tensor-parallel
+        communication, ring attention): whose host costs cost_models/host.py charges."""
+        return not (self.fused_pointwise or self.fused_loss or self.zero_impl != "fsdp2" or self.tp_overlap
+                    or self.cp_attention == "ring")
+
+    @property
     def on_dtensors(self) -> bool:
         """The runtime runs the ops on DTensors: with tensor-parallel axes, and in pipeline stages that span
         more than one rank (runtime/pipeline.py applies each stage in SPMD mode)."""

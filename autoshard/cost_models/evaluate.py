@@ -61,7 +61,7 @@ from autoshard.plans.strategies import same_strategy
 __all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
-           "stage_units", "recompute_stops_before", "optimizer_s", "edge_step_s", "edge_time_s",
+           "stage_units", "recompute_stops_before", "optimizer_s", "optimizer_step_host_s", "edge_step_s", "edge_time_s",
            "optimizer_s_per_state_byte"]
 
 
@@ -499,8 +499,16 @@ def optimizer_s(st: _Stage, ctx: PlanContext) -> float:
     (cost_models/host.py)."""
     fused, passes = ctx.fused_pointwise, OPTIMIZER_PASSES[ctx.fused_pointwise]
     kernels = memory_bound_time_s(optimizer_step_bytes(st.params, ctx.precision, fused=fused), ctx.gpu, kernels=passes)
-    host = optimizer_host_s(st.param_tensors, ctx.gpu)
+    host = optimizer_step_host_s(st.param_tensors, ctx)
     return max(kernels, host) if separate_host(ctx.gpu) else kernels + host
+
+
+def optimizer_step_host_s(param_tensors: int, ctx: PlanContext) -> float:
+    """Host seconds of the AdamW step's per-tensor work over `param_tensors` tensors: torch.optim.AdamW on
+    FSDP2's DTensor parameters (the runtime's; another engine's fused optimizer: 0 on a GPU)."""
+    if separate_host(ctx.gpu) and not ctx.autoshards_engine:
+        return 0.0
+    return optimizer_host_s(param_tensors, ctx.gpu)
 
 
 def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) -> list[MemoryBreakdown]:

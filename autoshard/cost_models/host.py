@@ -16,10 +16,10 @@ the next one's host time (`max` per phase, evaluate.py). Per phase the host time
     optimizer  parameter tensors x optimizer_us_per_tensor  (torch.optim.AdamW's per-tensor work)
 
 Only on GPU profiles: on CPU ranks the host is the device and its costs are device time already (opcost.py).
-The datasheet GPU profiles carry the H200 host's per-op, FSDP2 and AdamW figures (references/gpu_h200.md), not
-its DTensor dispatch figure: that is autoshard's runtime's own (Megatron's engines issue no DTensor op), so a
-small tensor-parallel model is predicted faster than it runs until the cluster is profiled (`autoshard profile`
-measures `dtensor_us_per_op`).
+The datasheet GPU profiles carry the H200 host's figures (references/gpu_h200.md). DTensor's dispatch, FSDP2's
+hooks and AdamW's per-tensor work on DTensor parameters are the costs of autoshard's runtime (and torchtitan's,
+the same parts): another engine that `estimate` prices (Megatron's fused kernels, DeepSpeed's ZeRO-3) pays only
+the per-op dispatch (`PlanContext.autoshards_engine`).
 """
 
 from __future__ import annotations

@@ -526,8 +526,9 @@ def _host_s(op: Op, ctx: PlanContext, *, recomputed: bool) -> tuple[float, float
     gpu = ctx.gpu
     if not separate_host(gpu):
         return 0.0, 0.0
-    fwd = forward_host_s(op.dispatches, gpu, on_dtensors=ctx.on_dtensors)
-    hooks = hooks_host_s(gpu) / 2 if any(p.owner for p in op.params) else 0.0
+    ours = ctx.autoshards_engine  # DTensor and FSDP2 are the runtime's, not another engine's
+    fwd = forward_host_s(op.dispatches, gpu, on_dtensors=ctx.on_dtensors and ours)
+    hooks = hooks_host_s(gpu) / 2 if ours and any(p.owner for p in op.params) else 0.0
     bwd = BACKWARD_DISPATCHES * fwd + hooks + (fwd + hooks if recomputed else 0.0)
     return fwd + hooks, bwd
 

@@ -79,11 +79,12 @@ from autoshard.cost_models.evaluate import (
     loss_per_stage,
     op_sites,
     optimizer_s_per_state_byte,
+    optimizer_step_host_s,
     pipeline_fill,
     sink_layout,
     stage_units,
 )
-from autoshard.cost_models.host import optimizer_host_s, separate_host
+from autoshard.cost_models.host import separate_host
 from autoshard.cost_models.memory import framework_overhead_bytes
 from autoshard.cost_models.opcost import OpCost, edge_cost, grad_partial_axes, op_cost
 from autoshard.cost_models.template import TemplateGraph, template_for
@@ -275,7 +276,7 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
         dpg = [(v, c) for v, c in dpg if c]
         Sg = [_overlap_rows(lp, f"Sg_{k}", dpg, fwd, units=u, slowdown=slow)] if dpg else []
         syncs.append(([S, *Sg], [(v, c / u) for v, c in dpit + dpg]))
-        opts.append((opt, optimizer_host_s(sum(n * tensors for n, tensors in _stage_tensors(tg, k)), ctx.gpu)))
+        opts.append((opt, optimizer_step_host_s(sum(n * tensors for n, tensors in _stage_tensors(tg, k)), ctx)))
     return T, syncs, opts
 
 
@@ -429,9 +430,10 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
 
 
 @contextlib.contextmanager
-def _solver_output_to_stderr():
+def _solver_output_silenced():
     """HiGHS prints its banner from C++ on file descriptor 1 when the first model is built, whatever `msg`
-    says; `--json` output must be only JSON, so the solver's stdout goes to stderr while it runs."""
+    says: two lines of licence on every `plan`, and `--json` output must be only JSON. The solver's stdout
+    goes to the null device while it runs (`msg=False` keeps everything else quiet)."""
     try:
         out = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):  # stdout replaced (pytest capture, StringIO): nothing to do
@@ -439,8 +441,10 @@ def _solver_output_to_stderr():
         return
     sys.stdout.flush()
     saved = os.dup(out)
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(sys.stderr.fileno(), out)
+        os.dup2(null, out)
+        os.close(null)
         yield
     finally:
         os.dup2(saved, out)
@@ -466,7 +470,7 @@ def relaxation_bound(problem: Problem) -> float:
     for v in binaries:
         v.cat = pulp.LpContinuous
     try:
-        with _solver_output_to_stderr():
+        with _solver_output_silenced():
             problem.lp.solve(pulp.HiGHS(msg=False, threads=1) if pulp.HiGHS().available() else
                              pulp.PULP_CBC_CMD(msg=False))
         ok = problem.lp.sol_status == pulp.LpSolutionOptimal
@@ -480,7 +484,7 @@ def solve(problem: Problem, *, time_limit_s: float = 20.0) -> Solution:
     import time
 
     t0 = time.perf_counter()
-    with _solver_output_to_stderr():
+    with _solver_output_silenced():
         problem.lp.solve(_solver(time_limit_s))
     elapsed = time.perf_counter() - t0
     # sol_status: 1 optimal, 2 feasible (stopped at the time limit), anything else no usable solution
