@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace as dc_replace
 
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import AutoshardError
@@ -169,6 +170,7 @@ def _cmd_plan(args) -> int:
         args.model, args.cluster, global_batch=args.global_batch, seq=args.seq, memory_cap=args.memory_cap,
         space=args.space, time_limit_s=args.time_limit, progress=args.progress, attention=args.attention)
     args.progress.close()
+    plan = dc_replace(plan, baselines=tuple(baselines.values()))
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
             "mesh": plan.mesh.to_json(), "ep": plan.ep, "micro_batch": plan.micro_batch,
@@ -184,7 +186,8 @@ def _cmd_plan(args) -> int:
             "search": {"considered": result.considered, "solved": result.solved,
                        "pruned_by_memory": result.pruned_memory, "optimal": result.optimal,
                        "solver": plan.solver},
-            "context_parallel": result.context_parallel, "expert_parallel": result.expert_parallel}
+            "context_parallel": result.context_parallel, "expert_parallel": result.expert_parallel,
+            "plan_file_json": plan.to_json()}  # `explain` reads this document as it reads a plan file
     if args.plot:  # the picture first: a plot that fails leaves no plan file behind
         from autoshard.plotting import plot_plan
 
@@ -280,7 +283,7 @@ def _cmd_explain(args) -> int:
     if args.plot:
         from autoshard.plotting import plot_plan
 
-        plot_plan(plan, {}, _cluster_or_none(plan.cluster), args.plot)
+        plot_plan(plan, {b.name: b for b in plan.baselines}, _cluster_or_none(plan.cluster), args.plot)
         data["plot"] = args.plot
     _emit(args, data, text + (f"\npicture written to {args.plot}" if args.plot else ""))
     return 0
@@ -549,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_plan)
 
     x = sub.add_parser("explain", help="why each operator got its strategy, and the runner-up")
-    x.add_argument("plan", help="a plan file written by `autoshard plan -o`")
+    x.add_argument("plan", help="a plan file written by `autoshard plan -o`, or what `autoshard plan --json` printed")
     x.add_argument("--layer", type=int, default=None, help="only the operators of layer N")
     x.add_argument("--op", default=None, metavar="PATTERN",
                    help="only operators whose name contains PATTERN or matches it as a glob (fnmatch), "
@@ -615,7 +618,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except AutoshardError as exc:
         args.progress.close()
-        print(f"autoshard: error: {_cli_message(exc)}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank raises it: rank 0 says it once
+            print(f"autoshard: error: {_cli_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         args.progress.close()

@@ -16,9 +16,9 @@ __all__ = ["measure_command", "profile_command", "require_torchrun"]
 def require_torchrun(command: str) -> None:
     """One clear error when a rank command is started without torchrun's environment."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        ranks = "the plan's ranks: its mesh size" if command == "measure" else "the GPUs (or CPU ranks) to profile"
         raise RuntimeSetupError(f"`autoshard {command}` runs on the ranks of a job: launch it as "
-                                f"`torchrun --nproc-per-node N -m autoshard {command} ...` (N = ranks of "
-                                "the plan's mesh)")
+                                f"`torchrun --nproc-per-node N -m autoshard {command} ...` (N = {ranks})")
 
 
 def measure_command(args, emit) -> int:

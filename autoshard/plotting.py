@@ -44,7 +44,8 @@ _ZERO_NOTES = {0: "ZeRO-0: all replicated over dp", 1: "ZeRO-1: optimizer sharde
 _MEMORY_KINDS = (("params_bytes", "params", "#4c72b0"), ("grads_bytes", "grads", "#55a868"),
                  ("optimizer_bytes", "optimizer", "#c44e52"), ("activations_bytes", "activations", "#8172b2"),
                  ("transient_bytes", "transient", "#ccb974"), ("other_bytes", "other", "#8c8c8c"))
-_TIME_KINDS = (("compute_s", "compute", "#4c72b0"), ("exposed_comm_s", "exposed comm", "#c44e52"),
+_TIME_KINDS = (("compute_s", "compute", "#4c72b0"), ("host_bound_s", "waiting for the host", "#8172b2"),
+               ("exposed_comm_s", "exposed comm", "#c44e52"),
                ("bubble_s", "pipeline bubble", "#ccb974"), ("optimizer_s", "optimizer", "#55a868"),
                ("overhead_s", "overhead", "#8c8c8c"))
 _NODE_COLORS = ("#fde0c5", "#c9e4f5", "#d9f0d3", "#eadcf2")

@@ -236,3 +236,18 @@ def test_a_time_limited_search_warns_once_and_says_it_is_not_optimal(monkeypatch
     warnings = [r for r in caplog.records if "time limit" in r.getMessage()]
     assert len(warnings) == 1 and "not proven optimal" in warnings[0].getMessage()
     assert not any(m.startswith("searched 0 configurations") for m in progress)  # no line per candidate
+
+
+def test_measuring_a_gpu_plan_on_a_machine_without_cuda_is_one_runtime_setup_error(tmp_path):
+    """No traceback from deep inside torch ("Torch not compiled with CUDA enabled"): the error says what to do."""
+    import torch
+
+    from autoshard.api import estimate_config
+    from autoshard.errors import RuntimeSetupError
+    from autoshard.measure.step import measure_plan
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    plan, _ = estimate_config("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "1x1xH100-80GB", global_batch=2)
+    with pytest.raises(RuntimeSetupError, match="no CUDA device.*--cluster 1xNxcpu"):
+        measure_plan(plan)

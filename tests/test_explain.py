@@ -127,3 +127,42 @@ def test_selective_recompute_is_named_for_what_it_recomputes_on_the_attention_ke
     assert "Korthikanti" in recompute_label("selective", "eager")
     assert "every other matmul" in recompute_label("selective", "flash")
     assert "every other matmul" in recompute_label("selective", "masked")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoshard.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """`autoshard plan SPEC --json` written to a file, and `-o` the plan file, in one run."""
+    where = tmp_path_factory.mktemp("planned")
+    out = _cli("plan", SPEC, "--cluster", "1x2xcpu", "--global-batch", "4", "--json", "-o", str(where / "plan.json"))
+    assert out.returncode == 0, out.stderr
+    (where / "out.json").write_text(out.stdout)
+    return where
+
+
+def test_explain_reads_the_output_of_plan_json_as_it_reads_a_plan_file(planned):
+    from_json = _cli("explain", str(planned / "out.json"))
+    from_file = _cli("explain", str(planned / "plan.json"))
+    assert from_json.returncode == 0, from_json.stderr
+    assert from_json.stdout == from_file.stdout
+
+
+def test_the_plan_file_keeps_the_baselines_plan_printed(planned):
+    printed = json.loads((planned / "out.json").read_text())["baselines"]
+    kept = Plan.load(planned / "plan.json").baselines
+    assert [b.name for b in kept] == list(printed)
+    for b in kept:
+        if b.prediction is not None:
+            assert b.prediction.tokens_per_s == pytest.approx(printed[b.name]["tokens_per_s"])
+
+
+def test_explain_plot_draws_the_baselines_of_the_plan_file(planned, monkeypatch, tmp_path):
+    from autoshard import cli, plotting
+
+    drawn = {}
+    monkeypatch.setattr(plotting, "plot_plan", lambda plan, baselines, cluster, path: drawn.update(baselines))
+    assert cli.main(["explain", str(planned / "plan.json"), "--plot", str(tmp_path / "p.png")]) == 0
+    assert list(drawn) == [b.name for b in Plan.load(planned / "plan.json").baselines] and drawn

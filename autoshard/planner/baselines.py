@@ -13,7 +13,6 @@ Each is the best of its own configurations that fit in memory, or None when none
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
@@ -27,20 +26,12 @@ from autoshard.planner.manual import megatron_assignment
 from autoshard.planner.stages import balanced_stage_layers
 from autoshard.plans.contract import pipeline_blocker, schedule_blocker
 from autoshard.plans.layouts import MeshSpec
-from autoshard.plans.plan import PipelineSpec, Prediction
+from autoshard.plans.plan import Baseline, PipelineSpec, Prediction
 from autoshard.plans.strategies import strategies_in
 
 __all__ = ["Baseline", "BASELINES", "compute_baselines"]
 
 BASELINES = ("dp", "zero3", "tp1d", "tp2d", "tp3d", "grid")
-
-
-@dataclass(frozen=True)
-class Baseline:
-    name: str
-    prediction: Prediction | None
-    config: str  # what was chosen, e.g. "tp=8 pp=12 dp=16, 1f1b, micro-batch 1 sample x 8 micro-batches per replica, recompute full"
-    note: str = ""  # why there is no prediction
 
 
 def _divisors(n: int) -> list[int]:

@@ -20,7 +20,7 @@ from autoshard.errors import ConfigurationError, PlanFileError
 from autoshard.plans.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.plans.layouts import Layout, MeshSpec
 
-__all__ = ["ParamPlacement", "OpStrategy", "OpPlan", "PipelineSpec", "Prediction", "Plan", "PLAN_VERSION",
+__all__ = ["ParamPlacement", "OpStrategy", "OpPlan", "PipelineSpec", "Prediction", "Baseline", "Plan", "PLAN_VERSION",
            "SCHEDULES", "RECOMPUTE_MODES", "graph_fields", "check_fingerprint", "even_stage_layers"]
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,27 @@ class Prediction:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Baseline:
+    """A hand-style configuration the planner priced beside its plan (planner/baselines.py): DP, FSDP, Megatron
+    1D, 2D, 3D, the best DP x TP x PP grid. Kept in the plan file, so `explain --plot` draws them too."""
+
+    name: str
+    prediction: Prediction | None
+    config: str  # what was chosen, e.g. "tp=8 pp=12 dp=16, 1f1b, micro-batch 1 sample x 8 micro-batches per replica, recompute full"
+    note: str = ""  # why there is no prediction
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "config": self.config, "note": self.note,
+                "prediction": self.prediction.to_json() if self.prediction else None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Baseline:
+        pred = d.get("prediction")
+        return cls(name=d["name"], config=d.get("config", ""), note=d.get("note", ""),
+                   prediction=Prediction.from_json(pred) if pred else None)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     model: str
     fingerprint: str  # OpGraph.fingerprint of the graph the plan was made for
@@ -198,6 +219,7 @@ class Plan:
     # expert parallel: the experts of every mixture-of-experts layer over ep consecutive ranks of the dp group
     # (cost_models/expert_parallel.py, runtime/expert_parallel.py); 1: none
     ep: int = 1
+    baselines: tuple[Baseline, ...] = ()  # what `autoshard plan` priced beside the plan (explain --plot draws them)
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -231,11 +253,14 @@ class Plan:
             "space": list(self.space), "solve_time_s": self.solve_time_s, "attention": self.attention,
             "solver": self.solver, "optimal": self.optimal, "ep": self.ep,
             "prediction": self.prediction.to_json() if self.prediction else None,
+            "baselines": [b.to_json() for b in self.baselines],
             "ops": [p.to_json() for p in self.ops],
         }
 
     @classmethod
     def from_json(cls, d: dict, *, source: str = "plan") -> Plan:
+        if isinstance(d, dict) and "version" not in d and isinstance(d.get("plan_file_json"), dict):
+            d = d["plan_file_json"]  # the output of `autoshard plan --json`, which carries the plan file
         if not isinstance(d, dict) or "version" not in d:
             raise PlanFileError(f"{source} is not an autoshard plan (no 'version' key); make one with "
                                 "`autoshard plan MODEL --cluster SPEC -o plan.json`")
@@ -256,6 +281,7 @@ class Plan:
                 solve_time_s=float(d.get("solve_time_s", 0.0)), attention=str(d.get("attention", "")),
                 solver=str(d.get("solver", "")), optimal=bool(d.get("optimal", True)), ep=int(d.get("ep", 1)),
                 prediction=Prediction.from_json(d["prediction"]) if d.get("prediction") else None,
+                baselines=tuple(Baseline.from_json(b) for b in d.get("baselines") or ()),
                 ops=tuple(OpPlan.from_json(p) for p in d["ops"]),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.checkpoint.api import CheckpointException
 
-from autoshard.errors import RuntimeSetupError
+from autoshard.errors import AutoshardError, RuntimeSetupError
 
 __all__ = ["distributed_phase", "RankFailedError", "align_group_timeouts", "is_collective_failure",
            "HEARTBEAT_S"]
@@ -92,7 +92,9 @@ def distributed_phase(phase: str, *, grace_s: float = 2.0) -> Iterator[None]:
         setattr(exc, _HANDLED, True)
         seen_before, rank.last_failed = rank.last_failed, number
         if not is_collective_failure(exc):
-            _record(rank.store, number, f"rank {rank.rank} failed in {phase}: {_describe(exc)}")
+            # a user's error (every rank raises the same, and the CLI prints it once) is recorded, not logged
+            _record(rank.store, number, f"rank {rank.rank} failed in {phase}: {_describe(exc)}",
+                    log_it=not isinstance(exc, AutoshardError))
             raise
         error = _peer_error(rank, phase, exc, after=seen_before, number=number, grace_s=grace_s)
         setattr(error, _HANDLED, True)
@@ -159,9 +161,10 @@ def _safe(fn, *args):
         return None
 
 
-def _record(store, number: int, text: str) -> None:
+def _record(store, number: int, text: str, *, log_it: bool = True) -> None:
     """Record `text` as the failure of phase `number` unless a rank did already: entry i of the job's list."""
-    log.error("%s", text)
+    if log_it:
+        log.error("%s", text)
     if _safe(store.add, f"{_PREFIX}failed/{number}", 1) == 1:
         index = _safe(store.add, f"{_PREFIX}failures", 1)
         if index is not None:

@@ -21,6 +21,8 @@ from autoshard.api import resolve_cluster
 from autoshard.cost_models.prediction import evaluate_plan
 from autoshard.plans.layouts import MeshSpec
 
+pytestmark = [pytest.mark.distributed]
+
 BATCH = 4
 # id: (model, family, mesh degrees, plan options)
 CASES = {

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from torchrun_harness import run_torchrun
+
+pytestmark = [pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "benchmarks" / "measured" / "cpu2.yaml"
@@ -57,3 +60,14 @@ def test_profile_quick_on_two_ranks_writes_the_median_of_its_rounds_and_measures
                          capture_output=True, text=True, timeout=300)
     assert est.returncode == 0, est.stderr[-2000:]
     assert json.loads(est.stdout)["iteration_time_s"] > 0
+
+
+def test_a_plan_for_more_ranks_than_the_job_has_prints_its_error_once(tmp_path):
+    plan = tmp_path / "plan4.json"
+    subprocess.run([sys.executable, "-m", "autoshard.cli", "estimate", "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128",
+                    "--cluster", "1x4xcpu", "--dp", "4", "--global-batch", "4", "-o", str(plan)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    out, logs = run_torchrun(["measure", str(plan), "--steps", "1", "--warmup", "0"], nproc=2, workdir=tmp_path,
+                             attempts=1)
+    assert out.returncode != 0
+    assert logs.count("the cluster has 4 devices") == 1, logs  # rank 0's one line; rank 1 says nothing
