@@ -118,8 +118,10 @@ def _env() -> dict:
     return env
 
 
-def _profile(out: Path, timeout_s: float) -> dict:
+def _profile(out: Path, timeout_s: float | None) -> dict:
     path = out / "profile.yaml"
+    if timeout_s is None:
+        return {"ok": False, "error": "not run: the check's budget was spent", "wall_s": 0.0}
     _, err, wall = _torchrun(["-m", "autoshard.cli", "profile", "--quick", "-o", str(path)], timeout_s)
     if not path.exists():
         return {"ok": False, "error": err, "wall_s": wall}
@@ -184,14 +186,20 @@ def _reprice(run: Run, profile: dict) -> dict:
             "profiled_predicted_memory_gib": plan.prediction.memory.total_bytes / 2**30}
 
 
+def _not_run(name: str, budget_s: float | None) -> dict:
+    return {"run": name, "ok": False, "error": f"not run: the check's budget of {budget_s:.0f} s was spent"}
+
+
 def _mape(rows: list[dict], key: str) -> float | None:
     errors = [abs(r[key]) for r in rows if r.get("ok") and r.get(key) is not None]
     return sum(errors) / len(errors) if errors else None
 
 
 def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, only: tuple[str, ...] = (),
-          progress=print) -> dict:
-    """Profile, measure every plan, time the hand-written loop; returns the report (also written to `out`)."""
+          budget_s: float | None = None, progress=print) -> dict:
+    """Profile, measure every plan, time the hand-written loop; returns the report (also written to `out`).
+    `budget_s`: no step starts after that many seconds, and none runs past them (the rest are reported as not
+    run), so a device lent for a fixed time is never held beyond it."""
     import torch
     import transformers
 
@@ -201,18 +209,27 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
         plans_dir = out / "plans"
         make_plans(runs, CPU_CLUSTER, plans_dir)
     t_start = time.perf_counter()
+
+    def within(step_s: float) -> float | None:
+        """The timeout of a step that may take `step_s`: cut to what the budget has left; None: out of time."""
+        if budget_s is None:
+            return step_s
+        left = budget_s - (time.perf_counter() - t_start)
+        return min(step_s, left) if left > 20 else None
+
     device = "cpu" if cpu else (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
     report: dict = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "host": platform.node(),
                     "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
                     "command": "python scripts/gpu_check.py" + (" --cpu" if cpu else ""), "steps": steps,
                     "warmup": warmup}
     progress(f"profile ({device})")
-    report["profile"] = _profile(out, timeout_s=300 if cpu else 240)
+    report["profile"] = _profile(out, timeout_s=within(300 if cpu else 240))
     rows = []
     for run in runs:
         progress(f"measure {run.name}")
+        limit = within(300 if cpu else 150)
         rows.append(_measure(run, plans_dir / run.plan_file, CPU_CLUSTER if cpu else None, steps, warmup,
-                             timeout_s=300 if cpu else 150))
+                             timeout_s=limit) if limit else _not_run(run.name, budget_s))
         progress(f"  {_row_line(rows[-1])}")
     for row, run in zip(rows, runs, strict=True):
         row |= _reprice(run, report["profile"])
@@ -224,8 +241,10 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
     if reference is not None:
         for compile_blocks in (False, True):
             progress(f"hand-written loop{' (compiled blocks)' if compile_blocks else ''}: {reference.name}")
+            limit = within(400 if cpu else 240)
             report["reference"].append(_reference(reference, compile_blocks=compile_blocks, steps=steps,
-                                                  warmup=warmup, timeout_s=400 if cpu else 240))
+                                                  warmup=warmup, timeout_s=limit) if limit else
+                                       {**_not_run(reference.name, budget_s), "compile": compile_blocks})
     report["time_mape_pct"] = _mape(rows, "time_error_pct")
     report["profiled_time_mape_pct"] = _mape(rows, "profiled_time_error_pct")
     report["memory_mape_pct"] = _mape(rows, "memory_error_pct")
@@ -298,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=(), help="run only these plans (by name)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 6 on GPU, 2 on CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 2 on GPU, 1 on CPU)")
+    parser.add_argument("--budget", type=float, default=None, metavar="S",
+                        help="start no step after S seconds and run none past them (default: 450 on a GPU, none "
+                             "with --cpu)")
     parser.add_argument("--make-plans", action="store_true",
                         help=f"write the GPU plans into --plans (on a machine with the planner; {GPU_CLUSTER})")
     args = parser.parse_args(argv)
@@ -312,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(os.environ.get("OUT") or ROOT / "benchmarks")
     steps = args.steps or (2 if args.cpu else 6)
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu else 2)
+    budget = args.budget if args.budget is not None else (None if args.cpu else 450.0)
     report = check(cpu=args.cpu, out=out, plans_dir=args.plans, steps=steps, warmup=warmup, only=tuple(args.only),
-                   progress=lambda msg: print(msg, flush=True))
+                   budget_s=budget, progress=lambda msg: print(msg, flush=True))
     failed = [r["run"] for r in report["plans"] + report["reference"] if not r.get("ok")]
     failed += ["profile"] if not report["profile"].get("ok") else []
     print(f"report: {out / 'gpu_validation.md'}; step-time MAPE {report['time_mape_pct']}; failed: {failed or 'none'}")
