@@ -372,6 +372,8 @@ def _prepare_output(path: str, param: str) -> None:
 
 
 def _check_plot(path: str) -> None:
+    """A PNG path in a writable directory (created now), and matplotlib to draw it: in that order, so a bad path
+    is reported as such on a machine without matplotlib too."""
     import importlib.util
 
     from autoshard.errors import ConfigurationError
@@ -379,6 +381,7 @@ def _check_plot(path: str) -> None:
     if not path.lower().endswith(".png"):
         raise ConfigurationError(f"path={path!r}: only PNG is written; give a file name ending in .png",
                                  params=("path",))
+    _prepare_output(path, "path")
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigurationError("path needs matplotlib: pip install 'autoshard[plot]'", params=("path",))
 
@@ -412,7 +415,6 @@ def _check_args(args) -> None:
         ClusterSpec.parse(args.cluster)
     if getattr(args, "plot", None):
         _check_plot(args.plot)
-        _prepare_output(args.plot, "path")
     if args.command == "estimate" and args.output:
         other = [flag for flag, on in (("--fused-kernels", args.fused_kernels), ("--fused-loss", args.fused_loss),
                                        ("--zero-impl", args.zero_impl != "fsdp2"),

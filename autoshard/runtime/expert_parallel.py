@@ -97,8 +97,11 @@ def expert_parallel_blocker(model: nn.Module, ep: int) -> str | None:
     """Why the runtime cannot run `model` with its experts split over `ep` ranks, or None."""
     others = [name for name, m in model.named_modules() if _has_3d_expert_weight(m) and not _is_interface_experts(m)]
     if others:
+        import transformers
+
         return (f"{others[0]} holds 3-D expert weights but does not dispatch through transformers' experts "
-                "interface (use_experts_implementation)")
+                f"interface (use_experts_implementation; transformers {transformers.__version__} here: expert "
+                "parallelism needs transformers>=5.20, install transformers>=5.23)")
     found = expert_modules(model)
     if not found:
         return (f"{type(model).__name__} has no mixture-of-experts layer going through transformers' experts "
@@ -267,7 +270,7 @@ def _experts_on_local_tokens(self: nn.Module, hidden_states: torch.Tensor, top_k
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         outs.append(_expert_linear(h, down_w[j], None if down_b is None else down_b[j], self.is_transposed))
     out = torch.cat(outs)
-    if self.has_post_expert_norm:
+    if getattr(self, "has_post_expert_norm", False):  # transformers >= 5.20
         out = self.post_expert_norm(out)
     # 5. back to source-rank order, combine, undo the sort, weight and sum the k slots
     out = out[_inverse(by_expert)]

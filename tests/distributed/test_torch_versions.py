@@ -1,6 +1,6 @@
 """The runtime on a torch without FSDP2's SPMD mode (torch 2.11, what GPU images shipped when 2.13 was out),
-simulated: `DataParallelMeshDims` is removed from `torch.distributed.fsdp` before autoshard is imported, in a
-fresh interpreter with a one-rank gloo group.
+simulated on later torch: `DataParallelMeshDims` is removed from `torch.distributed.fsdp` before autoshard is
+imported, in a fresh interpreter with a one-rank gloo group (on a real torch 2.11 the test runs as it is).
 
 The runtime imports; a data-parallel plan (plain tensors, FSDP2 as torchtitan uses it) applies and trains; a
 plan that needs the SPMD mode (here a tensor-parallel one with a dp axis) is refused with `RuntimeSetupError`
@@ -24,7 +24,8 @@ HERE = Path(__file__).parent
 _SCRIPT = r"""
 import json, sys, tempfile
 import torch.distributed.fsdp as fsdp
-del fsdp.DataParallelMeshDims  # torch 2.11: no SPMD mode
+if hasattr(fsdp, "DataParallelMeshDims"):
+    del fsdp.DataParallelMeshDims  # torch 2.11 has none: no SPMD mode
 import torch, torch.distributed as dist
 import autoshard.runtime  # must import
 from autoshard.capture import capture
