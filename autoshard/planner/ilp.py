@@ -20,8 +20,8 @@ Constraints
     sum_a y[e,a,b] = sum_{s: key_i(s)=b} x[v,s]                        edge consistency         (`_edge_vars`)
     T >= F_k + B_k + P_k + (Df_k + Db_k)/(u_k·l) + Ef_k + Eb_k + p2p_k + loss_k                (`_stage_time`)
       F_k, B_k = sum_o n_k(o) sum_s fwd[o,s] x[o,s], resp. (bwd + recompute)[o,s]; on a GPU each replaced by
-      Fh_k >= F_k, Fh_k >= HF_k (resp. Bh_k, HB_k): the host issuing the phase's ops, the same for every
-      strategy of an op (cost_models/host.py)                                                  (`_host_floor`)
+      Fh_k >= F_k + loss_k, Fh_k >= HF_k (resp. Bh_k, HB_k), loss_k then leaving loss_k's row: the host issuing
+      the phase's ops, the same for every strategy of an op (cost_models/host.py)            (`_host_floor`)
       P_k = sum_o n_k(o) sum_s tp[o,s] x[o,s] + sum_e n_k(e) sum_ab c[e,a,b] y[e,a,b]
       Df_k, Db_k = ZeRO traffic of a forward, resp. backward (gathers, reduce-scatters); l = m for layered
       accumulation (one gather per block and step), else 1; u_k = blocks of the stage (FSDP units)
@@ -230,7 +230,7 @@ def _overlap_rows(lp, name: str, comm, compute, *, units: int, slowdown: float, 
     return E
 
 
-def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
+def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p, loss):
     """T >= per-stage time; returns (T, [S_k], [opt_k] as term lists)."""
     T = _var(lp, "T", lowBound=0)
     syncs, opts = [], []
@@ -260,7 +260,7 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
                 dpg.append((v, n * c.dp_iter_fwd_s))
                 opt.append((v, n * c.optim_bytes * per_state_byte))
         tp += edge_terms[k] + [t for s, t in out_terms if s == k]
-        fwd, bwd = _host_floor(lp, tg, costs, k, fwd, bwd)
+        fwd, bwd, in_floor = _host_floor(lp, tg, costs, k, fwd, bwd, loss[k])
         u = units[k]
         Ef = _overlap_rows(lp, f"Ef_{k}", dpf, fwd, units=u, slowdown=slow, per=per)
         Eb = _overlap_rows(lp, f"Eb_{k}", dpb, bwd, units=u, slowdown=slow, per=per)
@@ -271,7 +271,7 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p):
         else:
             tp_terms = tp
         lp += pulp.LpConstraint(_aff([(T, 1.0), (Ef, -1.0), (Eb, -1.0)] + [(v, -c) for v, c in fwd + bwd + first]
-                                     + [(v, -c) for v, c in tp_terms]), pulp.LpConstraintGE, rhs=p2p[k])
+                                     + [(v, -c) for v, c in tp_terms]), pulp.LpConstraintGE, rhs=p2p[k] - in_floor)
         S = _overlap_rows(lp, f"S_{k}", dpit, bwd, units=u, slowdown=slow)
         dpg = [(v, c) for v, c in dpg if c]
         Sg = [_overlap_rows(lp, f"Sg_{k}", dpg, fwd, units=u, slowdown=slow)] if dpg else []
@@ -285,20 +285,21 @@ def _stage_tensors(tg: TemplateGraph, k: int):
     return [(tg.per_stage[op.name][k], sum(1 for p in op.params if p.owner)) for op in tg.ops]
 
 
-def _host_floor(lp, tg, costs, k: int, fwd, bwd):
+def _host_floor(lp, tg, costs, k: int, fwd, bwd, loss_s: float):
     """On a GPU a phase takes at least its host time (cost_models/host.py; the same for every strategy of an op):
-    (F, B) as variables Fh >= F, Fh >= host forward and Bh likewise, or the term lists unchanged where the host
-    costs nothing (CPU ranks)."""
+    (F, B, seconds of the stage's fixed row now inside them) with F, B as variables Fh >= F + loss, Fh >= host
+    forward and Bh likewise (the loss's kernels are part of the phase the host issues, as evaluate.py counts
+    them), or the term lists unchanged and 0 where the host costs nothing (CPU ranks)."""
     host_f = sum(tg.per_stage[op.name][k] * costs[op.name][0].host_fwd_s for op in tg.ops)
     host_b = sum(tg.per_stage[op.name][k] * costs[op.name][0].host_bwd_s for op in tg.ops)
     if not host_f and not host_b:
-        return fwd, bwd
+        return fwd, bwd, 0.0
     out = []
     for name, terms, host in ((f"Fh_{k}", fwd, host_f), (f"Bh_{k}", bwd, host_b)):
         V = _var(lp, name, lowBound=host)
-        lp += pulp.LpConstraint(_aff([(V, 1.0)] + [(v, -c) for v, c in terms]), pulp.LpConstraintGE, rhs=0)
+        lp += pulp.LpConstraint(_aff([(V, 1.0)] + [(v, -c) for v, c in terms]), pulp.LpConstraintGE, rhs=loss_s)
         out.append([(V, 1.0)])
-    return out[0], out[1]
+    return out[0], out[1], 2 * loss_s
 
 
 def _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize, loss_bytes):
@@ -403,7 +404,8 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
     out_terms = _output_costs(tg, strategies, x, ctx, {n: stage[n] for n in tg.outputs})
     units = stage_units(graph, pipe, stage)
     fixed, loss_bytes = fixed_stage_rows(graph, tg, stage, ctx, pipe, p2p_bytes)
-    T, syncs, opts = _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, fixed)
+    loss = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)[0]
+    T, syncs, opts = _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, fixed, loss)
     mem = _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize_memory, loss_bytes)
     _tied_params(lp, graph, tg, strategies, x)
     if minimize_memory:
