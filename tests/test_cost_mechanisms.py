@@ -496,7 +496,7 @@ def test_deepspeed_2021_zero3_waits_for_a_gather_per_parameter_at_its_measured_r
     from autoshard.cost_models.zero_impl import DEEPSPEED_2021_GATHER_GBPS, DEEPSPEED_PERSISTENCE_NUMEL
 
     graph = capture_model(load_model("gpt:layers=2,hidden=1024,heads=8,seq=256,vocab=1024"))
-    cluster = ClusterSpec.parse("1x8xA100-80GB")
+    cluster = _kernels_only("1x8xA100-80GB")  # the FSDP2 runtime's host costs are not what this compares
     cfg = dict(dp=8, micro_batch=1, global_batch=8, zero=3)
     fsdp, _ = estimate(graph, cluster, HandConfig(**cfg))
     ds, ev = estimate(graph, cluster, HandConfig(**cfg, zero_impl="deepspeed-2021"))

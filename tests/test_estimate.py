@@ -126,7 +126,7 @@ def test_backward_tp_overlap_hides_input_gradient_collectives_and_all_also_the_f
     assert comm[True] == comm["all"]
     # Megatron 1D without sequence parallelism: half of the all-reduces are in backward
     assert comm[""] - comm["backward"] < comm[""] / 2
-    assert {p.time.compute_s for p in times.values()} == {times[""].time.compute_s}
+    assert all(p.time.compute_s == pytest.approx(times[""].time.compute_s, rel=1e-12) for p in times.values())
     args = ("estimate", model, "--cluster", "1x8xA100-80GB", "--tp", "8", "--micro-batch", "2", "--global-batch",
             "2", "--json")
     flag, backward = run(*args, "--tp-comm-overlap"), run(*args, "--tp-comm-overlap", "backward")
