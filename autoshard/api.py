@@ -7,7 +7,6 @@ from dataclasses import replace as dc_replace
 from autoshard.errors import ConfigurationError, require_positive
 from autoshard.models.names import is_zoo_or_spec, resolve_spec
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.planner.outer import best_plan
 from autoshard.plans.plan import graph_fields
 
 __all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph", "autoparallel"]
@@ -197,6 +196,7 @@ def plan(model, cluster, *, example_inputs=None, global_batch: int | None = None
          attention: str = "auto"):
     """Dry run: the fastest plan for `model` on `cluster` (no GPU needed). `memory_cap` in GiB per GPU;
     `attention` the kernel priced for zoo and spec models ("auto": flash; see `resolve_attention`)."""
+    from autoshard.planner.outer import best_plan  # imported here: estimate_config runs without PuLP
     from autoshard.planner.search import parse_space
 
     cluster = resolve_cluster(cluster)  # every argument checked before the capture
@@ -221,6 +221,7 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
                         progress=None, attention: str = "auto", baselines: bool = True):
     """(Plan, SearchResult, baselines, graph, cluster) for the CLI; `baselines=False`: no baselines ({})."""
     from autoshard.planner.baselines import compute_baselines
+    from autoshard.planner.outer import best_plan
     from autoshard.planner.search import parse_space
 
     cluster = resolve_cluster(cluster)  # every argument checked before the capture

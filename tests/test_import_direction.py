@@ -115,3 +115,20 @@ def test_no_module_imports_itself_through_others():
         if module not in state:
             visit(module, [module])
     assert not cycles, [" -> ".join(c) for c in cycles]
+
+
+def test_estimating_applying_and_measuring_need_no_solver():
+    """GPU images ship no PuLP/HiGHS: `estimate_config`, the runtime and measure import and price a hand
+    configuration with the solver's modules blocked; only planning needs it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['pulp'] = None; sys.modules['highspy'] = None\n"
+            "import autoshard.runtime.entry, autoshard.measure.step, autoshard.validation.gpu_check\n"
+            "from autoshard.api import estimate_config\n"
+            "plan, _ = estimate_config('gpt:layers=1,hidden=32,heads=2,seq=16,vocab=64', '1x1xH200-141GB', "
+            "global_batch=2)\n"
+            "print(plan.prediction.iteration_time_s > 0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=PKG.parent)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
