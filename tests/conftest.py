@@ -1,6 +1,7 @@
 import logging
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -8,6 +9,22 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # captured graphs are cached per test session, never in the user's ~/.cache (autoshard/capture/disk_cache.py)
 os.environ.setdefault("AUTOSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="autoshard-test-graphs-"))
 logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--budget-s", type=float, default=None, metavar="S",
+                     help="start no test after S seconds of the run; the rest are skipped and named (.ci/run uses "
+                          "it to run the long matrix in the time CI has left)")
+
+
+def pytest_sessionstart(session):
+    session.config._autoshard_t0 = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    budget = item.config.getoption("--budget-s")
+    if budget is not None and time.monotonic() - item.config._autoshard_t0 > budget:
+        pytest.skip(f"the run's budget of {budget:.0f} s is spent: `python -m pytest -m long` runs the rest")
 
 
 @pytest.fixture(scope="session")

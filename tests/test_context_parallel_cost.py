@@ -110,6 +110,7 @@ def _plan_json(seq: int) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.long
 def test_the_planner_chooses_cp_where_no_plan_without_it_fits():
     data = _plan_json(262144)
     cp = data["context_parallel"]
@@ -118,6 +119,7 @@ def test_the_planner_chooses_cp_where_no_plan_without_it_fits():
     assert data["predicted"]["iteration_time_s"] == pytest.approx(min(t for t in cp["by_cp_s"].values() if t))
 
 
+@pytest.mark.long
 def test_the_planner_keeps_cp_off_where_data_parallel_is_faster():
     data = _plan_json(65536)
     cp = data["context_parallel"]

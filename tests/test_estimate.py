@@ -87,6 +87,7 @@ def test_attention_auto_prices_the_fused_flash_kernel_and_eager_materializes_the
     assert eager.prediction.memory.activations_bytes > auto.prediction.memory.activations_bytes
 
 
+@pytest.mark.long
 def test_layers_that_do_not_divide_into_the_stages_are_balanced_by_cost():
     """BLOOM-176B ran 70 layers on 12 pipeline stages; Megatron's even split cannot, a balanced one can: the
     split's slowest stage is as fast as the best of every possible split."""

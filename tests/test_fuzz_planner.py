@@ -1,12 +1,15 @@
 """Property: over random small transformers, clusters and memory caps the planner returns a plan within the cap
 (by its own estimate) or a clear InfeasiblePlanError, never another exception."""
 
+import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from autoshard.api import plan
 from autoshard.errors import ConfigurationError, InfeasiblePlanError
 from autoshard.hardware_profiles import ClusterSpec
+
+pytestmark = pytest.mark.long  # property tests over drawn models and clusters: the long suite
 
 
 @st.composite

@@ -150,6 +150,7 @@ def test_encoder_decoder_captures_from_its_natural_keyword_inputs():
         capture(model, {"input_ids": ids, "labels_typo": ids})
 
 
+@pytest.mark.long
 def test_a_block_list_whose_first_block_differs_is_never_pipelined_and_estimate_says_why(capsys):
     # RWKV's block 0 has an extra LayerNorm: blocks 1-2 repeat, block 0 does not. Stages cut the model's list of
     # identical blocks; before, the search's pipeline candidates indexed layer 2 of a 2-layer partition (KeyError).

@@ -51,8 +51,9 @@ def hand_configs(graph, cluster, global_batch: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,cluster_text,global_batch,cap_gib", CASES,
-                         ids=[f"{m.split(':')[0]}-{c}-gb{b}-cap{cap}" for m, c, b, cap in CASES])
+@pytest.mark.parametrize("model,cluster_text,global_batch,cap_gib", [  # all but the first in the long suite
+    pytest.param(m, c, b, cap, id=f"{m.split(':')[0]}-{c}-gb{b}-cap{cap}", marks=[pytest.mark.long] if i else [])
+    for i, (m, c, b, cap) in enumerate(CASES)])
 def test_no_hand_configuration_of_the_grid_beats_the_plan(model, cluster_text, global_batch, cap_gib):
     cluster = resolve_cluster(cluster_text)
     graph = load_graph(model)

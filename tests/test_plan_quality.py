@@ -13,8 +13,16 @@ from autoshard.validation import golden as update_golden
 GOLDEN = json.loads(update_golden.GOLDEN.read_text())
 
 
-@pytest.mark.parametrize("model,cluster,batch,seq", update_golden.CASES,
-                         ids=[update_golden.case_key(*c) for c in update_golden.CASES])
+# the long suite's (`-m long`): the cases whose planning takes longest on two cores; `autoshard-golden --check`
+# (scripts/update_golden.py) still runs every case
+LONG = {"llama3-8b|8x8xH100-80GB|64|seq131072", "bert-large|2x8xA100-80GB|256", "llama3-70b|8x8xH100-80GB|512",
+        "gpt3-175b|128x8xA100-80GB|1536"}
+
+
+@pytest.mark.parametrize("model,cluster,batch,seq", [
+    pytest.param(*c, id=update_golden.case_key(*c),
+                 marks=[pytest.mark.long] if update_golden.case_key(*c) in LONG else [])
+    for c in update_golden.CASES])
 def test_plan_matches_golden_throughput_and_beats_every_baseline(model, cluster, batch, seq):
     got = update_golden.run_case(model, cluster, batch, seq)
     want = GOLDEN[update_golden.case_key(model, cluster, batch, seq)]["tokens_per_s"]

@@ -57,6 +57,7 @@ def test_same_inputs_give_the_same_plan():
     assert json.dumps(runs[0], sort_keys=True) == json.dumps(runs[1], sort_keys=True)
 
 
+@pytest.mark.long
 def test_plan_beats_narayanans_gpt3_configuration_and_every_baseline():
     """Narayanan et al. 2021 ran GPT-3 175B on 1536 A100s as TP 8 x PP 12 x DP 16, micro-batch 1, full
     recompute; the plan must be predicted at least as fast under the same cost model."""

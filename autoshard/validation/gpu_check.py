@@ -245,6 +245,9 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
             report["reference"].append(_reference(reference, compile_blocks=compile_blocks, steps=steps,
                                                   warmup=warmup, timeout_s=limit) if limit else
                                        {**_not_run(reference.name, budget_s), "compile": compile_blocks})
+            row = report["reference"][-1]
+            progress(f"  {reference.name}: " + (f"{row['measured_s'] * 1e3:.1f} ms a step" if row.get("ok") else
+                                                 f"FAILED {row.get('error', '')[-600:]}"))
     report["time_mape_pct"] = _mape(rows, "time_error_pct")
     report["profiled_time_mape_pct"] = _mape(rows, "profiled_time_error_pct")
     report["memory_mape_pct"] = _mape(rows, "memory_error_pct")

@@ -32,6 +32,7 @@ def test_measure_runs_a_plan_on_two_ranks_and_reports_measured_beside_predicted(
     assert report["error_pct"] == (report["predicted_s"] - step["median_s"]) / step["median_s"] * 100
 
 
+@pytest.mark.long
 def test_profile_quick_on_two_ranks_writes_the_median_of_its_rounds_and_measures_attention_and_dtensor_costs(
         tmp_path):
     out_file = tmp_path / "cluster.yaml"

@@ -34,6 +34,15 @@ BATCH = 8
 CI_ARCHS = ("gemma", "mistral", "opt", "mixtral", "bart", "cnn", "bloom")
 ALL = os.environ.get("AUTOSHARD_ZOO") == "all"
 RUN_ARCHS = ARCHS if ALL else CI_ARCHS
+# the long suite's (`-m long`): families whose mechanisms the others cover too (Mistral's sliding-window-free
+# GQA as Mixtral's, OPT's learned positions as BART's, Gemma's and Bloom's norms and ALiBi bias)
+LONG_ARCHS = {"gemma", "mistral", "opt", "bloom"}
+
+
+def _archs(archs):
+    return [pytest.param(*a if isinstance(a, tuple) else (a,),
+                         marks=[pytest.mark.long] if (a[0] if isinstance(a, tuple) else a) in LONG_ARCHS else [])
+            for a in archs]
 SPACES = ("dp", "zero", "tp1d", "tp2d", "pp,dp") if ALL else ()
 CLUSTER = ClusterSpec.parse("1x4xcpu")
 # extra hand plans. Recompute: selective under tensor parallelism (Mistral: fused attention, torchtitan's op policy; Bloom,
@@ -125,7 +134,7 @@ def _equal(r: dict) -> bool:
     return r["loss_diff"] <= ATOL and r["grad_diff"] <= ATOL and r.get("param_excess", float("inf")) <= 0
 
 
-@pytest.mark.parametrize("arch", RUN_ARCHS)
+@pytest.mark.parametrize("arch", _archs(RUN_ARCHS))
 def test_default_plan_equals_one_process(arch):
     r = _results(arch)[f"{arch}-default"]
     assert _equal(r), r
@@ -136,7 +145,7 @@ def test_autoparallel_without_a_plan_plans_on_rank_0_and_equals_one_process():
     assert _equal(r), r
 
 
-@pytest.mark.parametrize("arch", RUN_ARCHS)
+@pytest.mark.parametrize("arch", _archs(RUN_ARCHS))
 def test_tensor_parallel_plan_equals_one_process_or_is_never_offered(arch):
     blocker = _runnable_tp(arch)
     if blocker is not None:
@@ -149,7 +158,7 @@ def test_tensor_parallel_plan_equals_one_process_or_is_never_offered(arch):
     assert _equal(r), r
 
 
-@pytest.mark.parametrize("arch", [a for a in RUN_ARCHS if a in DECODERS])
+@pytest.mark.parametrize("arch", _archs([a for a in RUN_ARCHS if a in DECODERS]))
 def test_pipelined_decoder_equals_one_process(arch):
     if _pipeline_blocker(arch) is not None:  # stages compute on DTensors (not for MoE) and are cut from one block list
         from autoshard.planner.search import enumerate_candidates, parse_space
@@ -163,7 +172,7 @@ def test_pipelined_decoder_equals_one_process(arch):
     assert _equal(r), r
 
 
-@pytest.mark.parametrize("arch, kind", [(a, k) for a in RUN_ARCHS for k in EXTRA.get(a, {})])
+@pytest.mark.parametrize("arch, kind", _archs([(a, k) for a in RUN_ARCHS for k in EXTRA.get(a, {})]))
 def test_recomputed_blocks_and_sequence_parallel_plans_equal_one_process(arch, kind):
     r = _results(arch)[f"{arch}-extra-{kind}"]
     assert _equal(r), r
@@ -175,7 +184,7 @@ KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.skipif(not ALL, reason="every space's plan is applied under AUTOSHARD_ZOO=all")
-@pytest.mark.parametrize("arch", RUN_ARCHS)
+@pytest.mark.parametrize("arch", _archs(RUN_ARCHS))
 def test_every_spaces_plan_is_applied_and_equals_one_process(arch):
     results = [r for k, r in _results(arch).items() if k.startswith(f"{arch}-space=")]
     assert results

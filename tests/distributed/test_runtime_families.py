@@ -72,11 +72,25 @@ def _graph(model: str):
     return capture(build(model), (x,))
 
 
+# the 8-rank compositions beyond 3D on an MLP run in the long suite (`-m long`, README "Development"): one
+# 8-rank world costs ~2.5 minutes on two cores
+LONG = {"gpt2-dp-2d", "llama-dp-2d", "llama-3d"}
+
+
+def _params(cases):
+    return [pytest.param(c, marks=pytest.mark.long) if c in LONG else c for c in cases]
+
+
+def _results(case_id: str, tmp_dir: str) -> list[dict]:
+    """Every rank's result of `case_id`: cases of one world size (and suite) run in one spawned world."""
+    return _world_results(CASES[case_id][0], case_id in LONG, tmp_dir)[case_id]
+
+
 @functools.cache
-def _world_results(world: int, tmp_dir: str) -> dict[str, dict]:
+def _world_results(world: int, long: bool, tmp_dir: str) -> dict[str, dict]:
     cases = []
     for case_id, (w, model, family, degrees, options) in CASES.items():
-        if w != world:
+        if w != world or (case_id in LONG) != long:
             continue
         options = dict(options)
         recompute = options.pop("recompute", "none")
@@ -101,9 +115,9 @@ def _world_results(world: int, tmp_dir: str) -> dict[str, dict]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", _params(CASES))
 def test_loss_gradients_and_adamw_steps_match_single_process(case_id, record_property, tmp_path_factory):
-    results = _world_results(CASES[case_id][0], str(tmp_path_factory.getbasetemp()))[case_id]
+    results = _results(case_id, str(tmp_path_factory.getbasetemp()))
     worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
     for k, v in worst.items():
         record_property(k, v)
@@ -117,9 +131,9 @@ def test_loss_gradients_and_adamw_steps_match_single_process(case_id, record_pro
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", _params(CASES))
 def test_parameter_bytes_per_rank_equal_the_planners_prediction(case_id, tmp_path_factory):
-    results = _world_results(CASES[case_id][0], str(tmp_path_factory.getbasetemp()))[case_id]
+    results = _results(case_id, str(tmp_path_factory.getbasetemp()))
     assert [r["param_bytes"] for r in results] == [results[0]["predicted_param_bytes"]] * len(results)
 
 
@@ -131,12 +145,12 @@ COMM_TOLERANCE = {"mlp-3d": 0.011, "gpt2-dp-1d": 0.007}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", _params(CASES))
 def test_bytes_issued_per_step_equal_the_cost_model(case_id, tmp_path_factory):
     """Every collective kind the cost model prices, on every rank: measured bytes of one forward + backward
     equal `predicted_step_comm` (within `COMM_TOLERANCE` where the model is not exact). gloo has no all-to-all: DTensor falls back
     to an all-gather there, so the two kinds are compared together."""
-    results = _world_results(CASES[case_id][0], str(tmp_path_factory.getbasetemp()))[case_id]
+    results = _results(case_id, str(tmp_path_factory.getbasetemp()))
 
     def merged(comm: dict) -> dict:
         out = dict(comm)
@@ -174,7 +188,7 @@ def _optimus_bytes(linears, *, batch, seq, q, norms, hidden, vocab, bytes_per=4)
 def test_optimus_2d_step_sends_exactly_the_optimus_collectives(tmp_path_factory):
     layer = [(64, 64)] * 4 + [(64, 128)] * 2 + [(128, 64)]  # q, k, v, o; gate, up; down
     expected = _optimus_bytes(layer * 2 + [(64, 128)], batch=BATCH, seq=16, q=2, norms=5, hidden=64, vocab=128)
-    for rank in _world_results(4, str(tmp_path_factory.getbasetemp()))["llama-2d"]:
+    for rank in _results("llama-2d", str(tmp_path_factory.getbasetemp())):
         assert rank["comm"] == expected
 
 
@@ -201,7 +215,7 @@ def _bian_mlp_bytes(*, batch, hidden, ffn, blocks, q, bytes_per=4) -> dict[str, 
 @pytest.mark.timeout(600)
 def test_3d_step_gathers_each_weight_once_and_reduce_scatters_outputs_and_gradients(tmp_path_factory):
     expected = _bian_mlp_bytes(batch=BATCH, hidden=16, ffn=32, blocks=2, q=2)
-    for rank in _world_results(8, str(tmp_path_factory.getbasetemp()))["mlp-3d"]:
+    for rank in _results("mlp-3d", str(tmp_path_factory.getbasetemp())):
         assert rank["comm"] == expected
 
 
@@ -219,8 +233,8 @@ _TENSOR_PARALLEL = [c for c, (_, _, family, _, _) in CASES.items() if family != 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case_id", _TENSOR_PARALLEL)
+@pytest.mark.parametrize("case_id", _params(_TENSOR_PARALLEL))
 def test_tensor_parallel_code_runs_on_local_shards_where_it_computes_the_same(case_id, tmp_path_factory):
-    results = _world_results(CASES[case_id][0], str(tmp_path_factory.getbasetemp()))[case_id]
+    results = _results(case_id, str(tmp_path_factory.getbasetemp()))
     expected = CASES[case_id][1] != "gpt2" and case_id not in _SPMD_MODE
     assert [r["local_shards"] for r in results] == [expected] * len(results), results[0]["why_not_local"]
