@@ -56,6 +56,7 @@ def test_cp_halves_the_activations_a_rank_keeps():
     assert 0.5 < ratio < 0.6, ratio
 
 
+@pytest.mark.long
 def test_throughput_per_gpu_falls_as_cp_grows_at_a_fixed_sequence_per_gpu():
     """Published CP scaling (Llama 3 §3.3.2, torchtitan's CP runs): with the tokens per GPU fixed, a longer
     sequence over more cp ranks costs more per token (attention grows with the sequence), plus K/V traffic.

@@ -63,6 +63,7 @@ def test_profile_quick_on_two_ranks_writes_the_median_of_its_rounds_and_measures
     assert json.loads(est.stdout)["iteration_time_s"] > 0
 
 
+@pytest.mark.long
 def test_a_plan_for_more_ranks_than_the_job_has_prints_its_error_once(tmp_path):
     plan = tmp_path / "plan4.json"
     subprocess.run([sys.executable, "-m", "autoshard.cli", "estimate", "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128",

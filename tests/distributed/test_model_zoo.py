@@ -34,9 +34,10 @@ BATCH = 8
 CI_ARCHS = ("gemma", "mistral", "opt", "mixtral", "bart", "cnn", "bloom")
 ALL = os.environ.get("AUTOSHARD_ZOO") == "all"
 RUN_ARCHS = ARCHS if ALL else CI_ARCHS
-# the long suite's (`-m long`): families whose mechanisms the others cover too (Mistral's sliding-window-free
-# GQA as Mixtral's, OPT's learned positions as BART's, Gemma's and Bloom's norms and ALiBi bias)
-LONG_ARCHS = {"gemma", "mistral", "opt", "bloom"}
+# the long suite's (`-m long`): families whose mechanisms other quick tests cover too (grouped-query attention
+# as Mixtral's, learned positions as GPT-2's, encoder-decoder capture as T5's in test_hf_as_they_come; Gemma's and Bloom's norms
+# and ALiBi bias are the long suite's alone)
+LONG_ARCHS = {"gemma", "mistral", "opt", "bloom", "bart"}
 
 
 def _archs(archs):

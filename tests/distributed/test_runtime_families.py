@@ -72,9 +72,9 @@ def _graph(model: str):
     return capture(build(model), (x,))
 
 
-# the 8-rank compositions beyond 3D on an MLP run in the long suite (`-m long`, README "Development"): one
-# 8-rank world costs ~2.5 minutes on two cores
-LONG = {"gpt2-dp-2d", "llama-dp-2d", "llama-3d"}
+# the 8-rank world (3D, and 2D with data parallelism) runs in the long suite (`-m long`, README "Development"):
+# it costs ~2.5 minutes on two cores; the 2- and 4-rank worlds cover every other family
+LONG = {"gpt2-dp-2d", "llama-dp-2d", "llama-3d", "mlp-3d"}
 
 
 def _params(cases):
@@ -212,6 +212,7 @@ def _bian_mlp_bytes(*, batch, hidden, ffn, blocks, q, bytes_per=4) -> dict[str, 
     return {k: v * bytes_per for k, v in elements.items()}
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_3d_step_gathers_each_weight_once_and_reduce_scatters_outputs_and_gradients(tmp_path_factory):
     expected = _bian_mlp_bytes(batch=BATCH, hidden=16, ffn=32, blocks=2, q=2)
