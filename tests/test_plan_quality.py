@@ -16,7 +16,8 @@ GOLDEN = json.loads(update_golden.GOLDEN.read_text())
 # the long suite's (`-m long`): the cases whose planning takes longest on two cores; `autoshard-golden --check`
 # (scripts/update_golden.py) still runs every case
 LONG = {"llama3-8b|8x8xH100-80GB|64|seq131072", "bert-large|2x8xA100-80GB|256", "llama3-70b|8x8xH100-80GB|512",
-        "gpt3-175b|128x8xA100-80GB|1536", "gpt3-175b|16x8xA100-80GB|256", "gpt-7.5b|4x8xV100-32GB|256"}
+        "gpt3-175b|128x8xA100-80GB|1536", "gpt3-175b|16x8xA100-80GB|256", "gpt-7.5b|4x8xV100-32GB|256",
+        "gpt2-xl|1x8xA100-80GB|128"}
 
 
 @pytest.mark.parametrize("model,cluster,batch,seq", [

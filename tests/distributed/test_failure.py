@@ -73,6 +73,7 @@ def test_rank_error_in_train_step_is_named_on_every_other_rank_without_waiting_f
     assert all(o["elapsed_s"] < LONG_TIMEOUT_S / 4 for o in outcomes), [o["elapsed_s"] for o in outcomes]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_peers_of_a_failed_rank_that_stays_alive_fail_within_the_group_timeout():
     # through autoparallel: the mesh's sub-groups get the default group's timeout; rank 1 stays alive for

@@ -103,12 +103,29 @@ def _public_api_wired() -> bool:
     return "loss_fn" in inspect.signature(autoparallel).parameters
 
 
+# the long suite's (`-m long`, in a world of their own): schedules and compositions another quick case covers too
+# (looped-bfs by the layered cases, interleaving by gpt2-pp4, ZeRO-3 under pipelining by the gathers cases)
+LONG = {"llama-pp4-looped-bfs", "llama-pp2-dp2-interleaved-1f1b", "gpt2-pp2-dp2-looped-bfs",
+        "llama-pp2-tp2-interleaved-1f1b", "gpt2-pp2-dp2-zero3-interleaved-1f1b", "llama-pp2-dp2-zero3-looped-bfs"}
+
+
+def _params(cases):
+    return [pytest.param(c, marks=pytest.mark.long) if c in LONG else c for c in cases]
+
+
+def _results(case_id: str | None = None):
+    """Every rank's result of `case_id` (None: all of the quick world's)."""
+    if case_id in LONG:
+        return _world(True)[case_id]
+    return _world(False) if case_id is None else _world(False)[case_id]
+
+
 @functools.cache
-def _results() -> dict[str, list[dict]]:
-    cases = [_case(case_id, *spec) for case_id, spec in CASES.items()]
-    if _public_api_wired():
+def _world(long: bool) -> dict[str, list[dict]]:
+    cases = [_case(case_id, *spec) for case_id, spec in CASES.items() if (case_id in LONG) == long]
+    if _public_api_wired() and not long:
         cases += [{**_case(case_id, *spec), "public_api": True} for case_id, spec in PUBLIC_API_CASES.items()]
-    for case_id, (schedule, micro_batch) in GATHER_CASES.items():
+    for case_id, (schedule, micro_batch) in GATHER_CASES.items() if not long else ():
         options = {"schedule": schedule} if schedule else {}
         cases.append({**_case(case_id, "gpt2", 2, {"dp": 4}, "replicate", 8, micro_batch, {"zero": 3, **options}),
                       "kind": "gathers"})
@@ -117,9 +134,9 @@ def _results() -> dict[str, list[dict]]:
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", _params(CASES))
 def test_loss_and_every_gradient_match_single_process(case_id, record_property):
-    results = _results()[case_id]
+    results = _results(case_id)
     loss_diff = max(r["loss_diff"] for r in results)
     grad_diff = max(r["grad_diff"] for r in results)
     record_property("loss_diff", loss_diff)
@@ -138,7 +155,7 @@ def test_loss_and_every_gradient_match_single_process(case_id, record_property):
 def test_autoparallel_with_a_loss_fn_trains_a_pipelined_plan_through_train_step(case_id):
     if not _public_api_wired():
         pytest.skip("autoparallel() does not take loss_fn yet")
-    results = _results()[case_id]
+    results = _results(case_id)
     assert max(r["loss_diff"] for r in results) <= ATOL
     assert max(r["grad_diff"] for r in results) <= ATOL
     assert set().union(*(r["names"] for r in results)) == set(results[0]["all_names"])
@@ -146,7 +163,7 @@ def test_autoparallel_with_a_loss_fn_trains_a_pipelined_plan_through_train_step(
 
 @pytest.mark.timeout(480)
 def test_pp4_ranks_hold_only_their_own_blocks():
-    results = _results()["llama-pp4-1f1b"]
+    results = _results("llama-pp4-1f1b")
     blocks = [sorted({n.split(".")[2] for n in r["names"] if n.startswith("model.layers.")}) for r in results]
     assert blocks == [["0"], ["1"], ["2"], ["3"]]
     assert "model.embed_tokens.weight" in results[0]["names"] and "lm_head.weight" in results[3]["names"]
@@ -154,14 +171,14 @@ def test_pp4_ranks_hold_only_their_own_blocks():
 
 @pytest.mark.timeout(480)
 def test_tied_embedding_and_head_are_copies_on_the_first_and_last_stage():
-    results = _results()["gpt2-pp4-1f1b-two-steps"]
+    results = _results("gpt2-pp4-1f1b-two-steps")
     assert "transformer.wte.weight" in results[0]["names"] and "lm_head.weight" not in results[0]["names"]
     assert "lm_head.weight" in results[3]["names"] and "transformer.wte.weight" not in results[3]["names"]
 
 
 @pytest.mark.timeout(480)
 def test_pipelined_model_is_trained_through_train_step_with_the_planned_batch():
-    forward, wrong_batch = _results()["gpt2-pp4-1f1b-two-steps"][0]["errors"]
+    forward, wrong_batch = _results("gpt2-pp4-1f1b-two-steps")[0]["errors"]
     assert "call pm.train_step(inputs, target)" in forward
     assert "inputs have shape (1, 8)" in wrong_batch and "(4, 8)" in wrong_batch
 
@@ -181,17 +198,17 @@ def test_layered_accumulation_gathers_zero3_parameters_once_per_step():
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", _params(CASES))
 def test_every_parameter_after_three_adamw_steps_matches_single_process(case_id):
     """Within the bound AdamW allows for gradients that agree to ATOL (adamw_bound.py), on every rank."""
-    assert_params_within_adamw_bound(_results()[case_id])
+    assert_params_within_adamw_bound(_results(case_id))
 
 
 _PIPELINED = [c for c, spec in CASES.items() if spec[2].get("pp", 1) > 1]
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("case_id", _PIPELINED)
+@pytest.mark.parametrize("case_id", _params(_PIPELINED))
 def test_bytes_each_stage_sends_equal_the_prediction(case_id):
     """Hidden states forward and their gradients backward, per micro-batch and chunk boundary, as the rank
     holding each stage measures them in one `train_step` (`predicted_p2p_bytes`)."""
@@ -200,7 +217,7 @@ def test_bytes_each_stage_sends_equal_the_prediction(case_id):
 
     case = _case(case_id, *CASES[case_id])
     cluster = ClusterSpec.parse(f"1x{WORLD}xcpu")
-    measured = {(rank, r["stage"]): r["p2p_bytes"] for rank, r in enumerate(_results()[case_id])}
+    measured = {(rank, r["stage"]): r["p2p_bytes"] for rank, r in enumerate(_results(case_id))}
     predicted = {key: predicted_p2p_bytes(case["plan"], case["graph"], cluster, stage=key[1]) for key in measured}
     assert all(v > 0 for v in predicted.values())
     assert measured == predicted
