@@ -120,7 +120,8 @@ def _cmd_estimate(args) -> int:
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
         zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels, fused_loss=args.fused_loss,
         zero_impl=args.zero_impl, cp=args.cp, cp_attention=args.cp_attention, ep=args.ep,
-        ep_imbalance=args.ep_imbalance, tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator)
+        ep_imbalance=args.ep_imbalance, tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator,
+        compile=args.compile, float8=args.float8 or "")
     args.progress.close()
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
@@ -130,7 +131,8 @@ def _cmd_estimate(args) -> int:
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             "recompute": plan.recompute, "fused_kernels": args.fused_kernels, "fused_loss": args.fused_loss,
             "zero_impl": args.zero_impl, "cp": args.cp, "cp_attention": args.cp_attention, "ep": args.ep,
-            "tp_comm_overlap": args.tp_comm_overlap or "none",
+            "tp_comm_overlap": args.tp_comm_overlap or "none", "compile": args.compile,
+            "float8": args.float8 or "none",
             **prediction_json(pred), "warnings": _warnings(pred, cluster, plan)}
     from autoshard.planner.explain import batch_label, recompute_label
 
@@ -522,6 +524,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "assume it): 'all' (the default when given) as Megatron-Core's --tp-comm-overlap; "
                         "'backward': each linear's input-gradient collective runs beside its weight-gradient GEMM, "
                         "as Megatron-LM's asynchronous tensor-parallel communication (2022 on)")
+    e.add_argument("--compile", action="store_true",
+                   help="every repeated block torch.compile'd (torchtitan's --compile, autoparallel(compile=True)): "
+                        "its pointwise ops as fused kernels keeping only what backward needs, the host issuing one "
+                        "compiled graph per block and phase instead of every ATen op")
+    e.add_argument("--float8", choices=("tensorwise", "rowwise"), default=None,
+                   help="the block Linears in float8 (torchao Float8Linear, torchtitan's float8 converter): fp8 "
+                        "GEMMs plus the casts and amax reductions; tensorwise also gathers FSDP2 weights in float8. "
+                        "H100/H200 only; pair with --compile, which fuses the casts")
     e.add_argument("--allocator", choices=("expandable", "caching"), default="expandable",
                    help="PyTorch CUDA allocator mode: expandable (expandable_segments:True, as torchtitan and "
                         "autoshard's runtime run) or caching (PyTorch's default: ~15%% of per-step memory "

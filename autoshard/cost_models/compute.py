@@ -93,17 +93,24 @@ def _bracket(axis: list[float], x: float) -> list[tuple[float, float]]:
     return [(axis[lo], 1.0 - w), (axis[hi], w)]
 
 
-def gemm_time_s(m: int, n: int, k: int, gpu: GPUProfile, *, batch: int = 1, bytes_per_elem: int = 2) -> float:
-    """Time of `batch` GEMMs (m x k) @ (k x n) in 16-bit with fp32 accumulation."""
+def gemm_time_s(m: int, n: int, k: int, gpu: GPUProfile, *, batch: int = 1, bytes_per_elem: int = 2,
+                float8: bool = False) -> float:
+    """Time of `batch` GEMMs (m x k) @ (k x n) in 16-bit with fp32 accumulation; `float8`: both operands in
+    float8 on the fp8 tensor cores, `GPUProfile.fp8_gemm_speedup` times the 16-bit rate of the shape, one byte
+    per input element (cost_models/float8.py)."""
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
     flops = 2.0 * m * n * k * batch
+    speedup = gpu.fp8_gemm_speedup if float8 else 1.0
+    if float8 and not speedup:
+        raise ValueError(f"{gpu.name} has no float8 tensor cores")
     if gpu.gemm_tflops:  # measured by shape; a batch of GEMMs runs like one taller GEMM
-        rate = measured_gemm_tflops(gpu.gemm_tflops, m * batch, n, k) * gpu.sustained_tensor_fraction
+        rate = measured_gemm_tflops(gpu.gemm_tflops, m * batch, n, k) * gpu.sustained_tensor_fraction * speedup
         return flops / (rate * 1e12) + gpu.kernel_launch_us * 1e-6
     eff = gpu.max_gemm_efficiency * gemm_efficiency(m, n, batch=batch, num_sms=gpu.num_sms)
-    t_math = flops / (gpu.sustained_tflops * 1e12 * eff)
-    t_mem = (m * k + k * n + m * n) * batch * bytes_per_elem / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
+    t_math = flops / (gpu.sustained_tflops * speedup * 1e12 * eff)
+    in_bytes = 1 if float8 else bytes_per_elem
+    t_mem = ((m * k + k * n) * in_bytes + m * n * bytes_per_elem) * batch / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
     return max(t_math, t_mem) + gpu.kernel_launch_us * 1e-6
 
 

@@ -16,6 +16,7 @@ from autoshard.cost_models.comm import (
     redistribute_time_s,
 )
 from autoshard.cost_models.context_parallel import CP_ATTENTION
+from autoshard.cost_models.float8 import FLOAT8_RECIPES
 from autoshard.cost_models.memory import ALLOCATOR_FRAGMENTATION, BF16_MIXED, FP32, Precision
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.plans.layouts import MeshSpec
@@ -53,6 +54,11 @@ class PlanContext:
     # how ZeRO-3 moves parameters (cost_models/zero_impl.py ZERO_IMPLS): "fsdp2" (the runtime's) or
     # "deepspeed-2021" (DeepSpeed before its mid-2021 rewrite; estimate only)
     zero_impl: str = "fsdp2"
+    # every repeated block `torch.compile`d (torchtitan's `--compile`, the runtime's `compile=True`): its
+    # pointwise ops as fused kernels, its host cost per compiled graph and kernel (cost_models/host.py)
+    compile: bool = False
+    # float8 training of the block Linears: "" none, "tensorwise" or "rowwise" (cost_models/float8.py)
+    float8: str = ""
     allocator: str = "expandable"  # PyTorch CUDA allocator mode (cost_models/memory.py ALLOCATOR_FRAGMENTATION)
     # context parallelism: `mesh` is the plan's mesh with cp folded into dp (MeshSpec.folded_cp), the graph the
     # rank-local one (seq / cp tokens), and attention's own traffic runs on the cp group, cp ranks at the
@@ -83,6 +89,8 @@ class PlanContext:
         if self.ep < 1 or self.mesh.degree("dp") % self.ep or (self.ep_imbalance or 1.0) < 1.0:
             raise ValueError(f"ep must divide the dp degree {self.mesh.degree('dp')} and ep_imbalance be >= 1, got "
                              f"ep={self.ep}, ep_imbalance={self.ep_imbalance}")
+        if self.float8 and self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"unknown float8 recipe {self.float8!r}; use one of {', '.join(FLOAT8_RECIPES)}")
         if self.mesh.size > self.cluster.num_gpus:
             raise ValueError(f"mesh {self.mesh} needs {self.mesh.size} GPUs; the cluster has {self.cluster.num_gpus}")
 
@@ -103,6 +111,14 @@ class PlanContext:
         communication, ring attention): whose host costs cost_models/host.py charges."""
         return not (self.fused_pointwise or self.fused_loss or self.zero_impl != "fsdp2" or self.tp_overlap
                     or self.cp_attention == "ring")
+
+    def compiled(self, op) -> bool:
+        """Whether `op` runs inside a compiled block (a repeated block's op under `compile`)."""
+        return self.compile and op.layer is not None
+
+    def fused(self, op) -> bool:
+        """Whether `op`'s pointwise work runs as one fused kernel: Megatron's fused kernels, or a compiled block."""
+        return self.fused_pointwise or self.compiled(op)
 
     @property
     def on_dtensors(self) -> bool:

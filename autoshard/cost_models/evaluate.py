@@ -41,7 +41,7 @@ from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
 from autoshard.cost_models.compute import memory_bound_time_s
 from autoshard.cost_models.context import PlanContext
-from autoshard.cost_models.host import optimizer_host_s, separate_host
+from autoshard.cost_models.host import compiled_host_s, optimizer_host_s, separate_host
 from autoshard.cost_models.memory import (
     OPTIMIZER_PASSES,
     framework_overhead_bytes,
@@ -58,7 +58,7 @@ from autoshard.plans.layouts import BATCH, SEQ, Layout
 from autoshard.plans.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.plans.strategies import same_strategy
 
-__all__ = ["Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
+__all__ = ["compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
            "stage_units", "recompute_stops_before", "optimizer_s", "optimizer_step_host_s", "edge_step_s", "edge_time_s",
@@ -278,9 +278,24 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
     units = stage_units(graph, pipe, stage)
     for k, st in enumerate(stages):
         st.units = units[k]
+        graphs = compiled_graphs_host_s(tg, ctx, k)
+        st.host_fwd, st.host_bwd = st.host_fwd + graphs, st.host_bwd + graphs
         _wait_for_host(st)
     _boundaries(graph, assign, ctx, pipe, stages)
     return stages
+
+
+def compiled_graphs_host_s(tg, ctx: PlanContext, k: int) -> float:
+    """Host seconds per micro-batch phase of stage k's compiled graph calls (cost_models/host.py): one forward
+    graph and one backward graph per compiled block (a recomputed block's forward runs inside its backward
+    graph); 0 without `compile` or where the host is the device."""
+    if not ctx.compile or not separate_host(ctx.gpu):
+        return 0.0
+    first: dict[int, str] = {}
+    for op in tg.ops:  # one template op per block type stands for its blocks
+        if op.layer is not None:
+            first.setdefault(op.layer, op.name)
+    return compiled_host_s(0, graphs=sum(tg.per_stage[name][k] for name in first.values()))
 
 
 def _wait_for_host(st: _Stage) -> None:

@@ -15,6 +15,12 @@ the next one's host time (`max` per phase, evaluate.py). Per phase the host time
     backward   BACKWARD_DISPATCHES x that + the other half of the hooks (+ the forward again where recomputed)
     optimizer  parameter tensors x optimizer_us_per_tensor  (torch.optim.AdamW's per-tensor work)
 
+Compiled blocks (`torch.compile` of each repeated block, `PlanContext.compile`) issue no ATen ops one by one:
+the block's forward and its backward each run as one compiled graph, whose Python wrapper checks its guards
+and launches the generated kernels (one per fused region and per extern GEMM or attention call; views are free):
+
+    compiled phase   COMPILED_GRAPH_US + kernels x COMPILED_US_PER_KERNEL   per block, forward and backward
+
 Only on GPU profiles: on CPU ranks the host is the device and its costs are device time already (opcost.py).
 The datasheet GPU profiles carry the H200 host's figures (references/gpu_h200.md). DTensor's dispatch, FSDP2's
 hooks and AdamW's per-tensor work on DTensor parameters are the costs of autoshard's runtime (and torchtitan's,
@@ -26,13 +32,20 @@ from __future__ import annotations
 
 from autoshard.hardware_profiles.profiles import GPUProfile
 
-__all__ = ["BACKWARD_DISPATCHES", "separate_host", "forward_host_s", "hooks_host_s", "optimizer_host_s"]
+__all__ = ["BACKWARD_DISPATCHES", "COMPILED_GRAPH_US", "COMPILED_US_PER_KERNEL", "compiled_host_s", "separate_host", "forward_host_s", "hooks_host_s", "optimizer_host_s"]
 
 # ATen ops autograd dispatches in backward per op dispatched in forward (kernels and views): counted with a
 # TorchDispatchMode over forward and backward of transformers 5.24's GPT-2 (83 kernels + 95 views forward, 136 +
 # 195 backward: 1.86) and Llama (161 + 171, 298 + 308: 1.83), 4 layers each, torch 2.13 (2026-11-28). A Linear
 # has two gradient GEMMs for one forward GEMM; a view's gradient is a view.
 BACKWARD_DISPATCHES = 1.85
+
+# Host cost of Inductor's generated code, from meta-pytorch/tritonbench PR #1017 (2026-04-14, GB200 host): a
+# compiled graph's end-to-end call (guards, DeviceGuard, the CompiledFxGraph wrapper, one no-op kernel) took
+# 44.3 us, each further kernel launched through `CachingAutotuner.run` 6.8-9.1 us (0 and 19 arguments): the
+# 19-argument figure per kernel, the rest (44.3 - 9.1) per graph.
+COMPILED_US_PER_KERNEL = 9.1
+COMPILED_GRAPH_US = 35.2
 
 
 def separate_host(gpu: GPUProfile) -> bool:
@@ -45,6 +58,11 @@ def forward_host_s(dispatches: int, gpu: GPUProfile, *, on_dtensors: bool) -> fl
     """Host seconds to issue `dispatches` ATen ops in forward; backward issues BACKWARD_DISPATCHES times that."""
     per_op = gpu.host_us_per_op + (gpu.dtensor_us_per_op if on_dtensors else 0.0)
     return dispatches * per_op * 1e-6
+
+
+def compiled_host_s(kernels: float, graphs: float = 0.0) -> float:
+    """Host seconds of `graphs` compiled graph calls launching `kernels` generated kernels in all."""
+    return (graphs * COMPILED_GRAPH_US + kernels * COMPILED_US_PER_KERNEL) * 1e-6
 
 
 def hooks_host_s(gpu: GPUProfile) -> float:

@@ -38,7 +38,14 @@ from autoshard.cost_models.expert_parallel import (
     ep_load_imbalance,
     grouped_gemm_rows,
 )
-from autoshard.cost_models.host import BACKWARD_DISPATCHES, forward_host_s, hooks_host_s, separate_host
+from autoshard.cost_models.float8 import cast_bytes_per_elem, cast_kernels, float8_all_gather, float8_linear
+from autoshard.cost_models.host import (
+    BACKWARD_DISPATCHES,
+    compiled_host_s,
+    forward_host_s,
+    hooks_host_s,
+    separate_host,
+)
 from autoshard.cost_models.memory import model_state_bytes, tensor_bytes
 from autoshard.cost_models.zero_impl import gathers_overlap, zero3_gather_s
 from autoshard.plans.contract import ExpertRole, is_expert_weight
@@ -151,7 +158,7 @@ def kernel_times_s(op: Op, st: OpStrategy, ctx: PlanContext, memo: dict | None =
         return _compute_s(op, st, ctx)
     mesh = ctx.mesh
     key = ("compute", op.name, st, ctx.micro_batch, mesh.spmd_signature, ctx.on_dtensors, ctx.fused_pointwise,
-           ctx.precision, _expert_shards(op, ctx))
+           ctx.precision, _expert_shards(op, ctx), ctx.compile, ctx.float8)
     hit = memo.get(key)
     if hit is None:
         hit = memo[key] = _compute_s(op, st, ctx)
@@ -196,9 +203,13 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
             dw = gemm_time_s(n_local, k_local, rows, gpu, batch=g, bytes_per_elem=ab)
             dx = gemm_time_s(rows, k_local, n_local, gpu, batch=g, bytes_per_elem=ab) if op.needs_input_grad else 0.0
             return fwd, dw + dx
-        fwd = gemm_time_s(m_local, n_local, k_local, gpu, bytes_per_elem=ab)
-        dw = gemm_time_s(n_local, k_local, m_local, gpu, bytes_per_elem=ab)
-        dx = gemm_time_s(m_local, k_local, n_local, gpu, bytes_per_elem=ab) if op.needs_input_grad else 0.0
+        f8 = bool(ctx.float8) and float8_linear(op)
+        fwd = gemm_time_s(m_local, n_local, k_local, gpu, bytes_per_elem=ab, float8=f8)
+        dw = gemm_time_s(n_local, k_local, m_local, gpu, bytes_per_elem=ab, float8=f8)
+        dx = gemm_time_s(m_local, k_local, n_local, gpu, bytes_per_elem=ab, float8=f8) if op.needs_input_grad else 0.0
+        if f8:
+            cf, cb = _float8_cast_s(op, st, ctx, x=m_local * k_local, w=n_local * k_local, g=m_local * n_local)
+            fwd, dw = fwd + cf, dw + cb
         return fwd, dw + dx
     split = max(_deg(ins, ctx, (BATCH, SEQ, FEAT)), 1)
     if op.kind is OpKind.ATTENTION:
@@ -215,7 +226,8 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
         k = max(1, op.fwd_flops // max(1, 2 * math.prod(out)))
         fwd = gemm_time_s(m, n, k, gpu, batch=batch, bytes_per_elem=prec.act_bytes)
         return fwd, 2 * fwd
-    if ctx.fused_pointwise and op.kind is OpKind.ELEMENTWISE and score_shaped(op.output_meta, ctx.seq):
+    fused = ctx.fused(op)
+    if fused and op.kind is OpKind.ELEMENTWISE and score_shaped(op.output_meta, ctx.seq):
         # the scale and mask of materialized attention scores run inside the softmax kernel that reads them
         # (Megatron-LM's FusedScaleMaskSoftmax, Narayanan et al. 2021 sec. 5.8; Inductor fuses pointwise
         # producers into a reduction's prologue): no pass of their own over the (B, heads, s, s) tensor
@@ -224,7 +236,7 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     kernels = 1
     if op.kind is OpKind.EMBEDDING:
         nbytes = 2 * tensor_bytes(op.output_meta, prec, samples=mb) / split
-    elif not ctx.fused_pointwise and op.kernel_io_numel:
+    elif not fused and op.kernel_io_numel:
         # eager PyTorch: every ATen kernel of the op reads its inputs and writes its output (RMSNorm in
         # Hugging Face's Llama is pow, mean, add, rsqrt, mul, mul)
         wide = op.kernel_io_wide_numel
@@ -235,6 +247,41 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
         n = sum(1 for a in op.aten if a in TRANSCENDENTAL)
         fwd += n * op.output_meta.numel * mb / split / (gpu.transcendental_gelem_per_s * 1e9)
     return fwd, 2 * fwd if op.kind is not OpKind.EMBEDDING else fwd
+
+
+def _float8_cast_s(op: Op, st: OpStrategy, ctx: PlanContext, *, x: float, w: float, g: float) -> tuple[float, float]:
+    """(forward, backward) seconds of a float8 Linear's casts (cost_models/float8.py) of its local input `x`,
+    weight `w` and output gradient `g` elements; a weight FSDP2 gathers in float8 is cast on its shard before
+    the gather, once per gather (forward; backward uses the gathered float8 weight's transpose)."""
+    recipe, compiled = ctx.float8, ctx.compiled(op)
+    w_fwd, w_bwd = w, w
+    if float8_all_gather(recipe) and ctx.mesh.degree("dp") > 1 and st.zero >= 3:
+        w_fwd, w_bwd = w / ctx.mesh.degree("dp"), 0.0
+    fwd = x * cast_bytes_per_elem(recipe, "fwd", "x", compiled=compiled) + \
+        w_fwd * cast_bytes_per_elem(recipe, "fwd", "w", compiled=compiled)
+    bwd = g * cast_bytes_per_elem(recipe, "bwd", "g", compiled=compiled) + \
+        x * cast_bytes_per_elem(recipe, "bwd", "x", compiled=compiled) + \
+        w_bwd * cast_bytes_per_elem(recipe, "bwd", "w", compiled=compiled)
+    gpu = ctx.gpu
+    return (memory_bound_time_s(fwd, gpu, kernels=cast_kernels(recipe, "fwd", compiled=compiled)),
+            memory_bound_time_s(bwd, gpu, kernels=cast_kernels(recipe, "bwd", compiled=compiled)))
+
+
+def _float8_amax_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float, list]:
+    """A float8 Linear under tensor parallelism reduces the amax of each cast operand that is sharded across
+    the tensor-parallel ranks (torchao's casts of DTensors take a global amax: an all-reduce of one fp32 scalar
+    per tensor, tensorwise, or of one per row, rowwise): its sharded weight forward and again backward, and one
+    activation each way (a column-parallel Linear's output gradient, a row-parallel one's input)."""
+    if not ctx.float8 or not float8_linear(op) or not st.params or not ctx.mesh.tp_axes:
+        return 0.0, 0.0, []
+    axes = tuple(a for a in ctx.mesh.tp_axes if st.params[0].compute.get(a) in (OUT, IN)
+                 or st.params[0].storage.get(a) in (OUT, IN))
+    if not axes:
+        return 0.0, 0.0, []
+    rows = op.gemm[0] * ctx.micro_batch if ctx.float8 == "rowwise" else 1
+    nb = 4 * rows
+    t = ctx.redistribute_s("all_reduce", nb, axes)
+    return 2 * t, 2 * t, [("all_reduce", nb)] * 4
 
 
 # -- parameters ---------------------------------------------------------------------------------------------
@@ -276,7 +323,10 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
             tp_b += sum(ctx.redistribute_s("all_reduce", gb, (a,)) for a in partial_axes)
             comm += [("all_reduce", gb)] * len(partial_axes)
         unit = max(1.0, (unit_numel or op.param_numel) / max(1, op.param_numel))
-        f, b, i, g, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit, outer=outer)
+        # FSDP2's float8 all-gather moves a float8 Linear's weight in one byte per element (float8.py)
+        f8_gather = bool(ctx.float8) and float8_all_gather(ctx.float8) and float8_linear(op) and len(meta.shape) >= 2
+        f, b, i, g, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit, outer=outer,
+                                                     param_bytes=1 if f8_gather else None)
         dp_f, dp_b, dp_i, dp_g, dp_s = dp_f + f, dp_b + b, dp_i + i, dp_g + g, dp_s + sync
         transient = max(transient, tr)
         comm += c
@@ -284,7 +334,8 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
     return (p_b, g_b, o_b), (tp_f, tp_b), (dp_f, dp_b, dp_i, dp_s, dp_g), transient, comm, iter_comm
 
 
-def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float = 1.0, *, outer: bool = False):
+def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float = 1.0, *, outer: bool = False,
+                   param_bytes: float | None = None):
     """Data-parallel traffic of `local` parameters at ZeRO level `st.zero` (split into `st.split` slices),
     as their share of a unit `unit` times their size (a split op's slices are units of their own):
     seconds (forward, backward, per iteration after the last backward, per iteration in the first forward,
@@ -292,11 +343,12 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float =
     (runtime/data_parallel.py `set_microbatch`): ZeRO-0 all-reduces and ZeRO-1 reduce-scatters the accumulated
     gradients after the last micro-batch's backward; ZeRO-1 and -2 gather the parameters in the first forward
     and keep them until the last backward; ZeRO-2 and -3 reduce-scatter in every backward. `outer`: expert
-    weights under expert parallelism, data parallel over the dp / ep ranks that hold the same experts."""
+    weights under expert parallelism, data parallel over the dp / ep ranks that hold the same experts.
+    `param_bytes`: bytes per gathered element where not the precision's (float8 all-gather: 1)."""
     prec, dp = ctx.precision, ctx.mesh.degree("dp") // (ctx.ep if outer else 1)
     if dp == 1:
         return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, [], []
-    pb, gb = local * prec.param_bytes, local * prec.reduce_bytes  # gradients reduced in fp32 (memory.Precision)
+    pb, gb = local * (param_bytes or prec.param_bytes), local * prec.reduce_bytes  # gradients reduced in fp32 (memory.Precision)
     s = st.split
     share = 1.0 / unit if s == 1 else 1.0
 
@@ -389,13 +441,14 @@ def _saved_bytes(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float
     if st.save_sharded_input:
         div *= math.prod(ctx.mesh.degree(a) for a in ctx.mesh.tp_axes if ins.get(a) == REPLICATE)
     kept = dropped = 0.0
-    for t in (op.saved_fused if ctx.fused_pointwise and op.saved_fused is not None else op.saved):
+    fused = ctx.fused(op)
+    for t in (op.saved_fused if fused and op.saved_fused is not None else op.saved):
         b = tensor_bytes(t, ctx.precision, samples=ctx.micro_batch) / (div if t.batch_dims else 1)
         if score_shaped(t, ctx.seq):
             dropped += b
         else:
             kept += b
-    if op.kind is OpKind.NORM and op.saved_fused is None and not ctx.fused_pointwise and st.inputs \
+    if op.kind is OpKind.NORM and op.saved_fused is None and not fused and st.inputs \
             and _axes(st.inputs[0], (FEAT,)):
         # over a sharded hidden dim the runtime's statistics-parallel norm (runtime/norms.py) runs as pointwise
         # ops and keeps the normalized output besides its (centered or upcast) input, where one kernel keeps the
@@ -453,7 +506,7 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
         base = _recompute_free(op, st, ctx, unit_numel, None, expert)
     else:
         key = ("base", op.name, st, ctx.mesh, ctx.micro_batch, unit_numel, ctx.precision, ctx.fused_pointwise,
-               ctx.seq, ctx.zero_impl, ctx.cp, ctx.cp_attention, ctx.ep, ctx.ep_imbalance)
+               ctx.seq, ctx.zero_impl, ctx.cp, ctx.cp_attention, ctx.ep, ctx.ep_imbalance, ctx.compile, ctx.float8)
         base = memo.get(key)
         if base is None:
             base = memo[key] = _recompute_free(op, st, ctx, unit_numel, memo, expert)
@@ -498,13 +551,15 @@ def _recompute_free(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float 
     if memo is None:
         params = _param_costs(op, st, ctx, unit_numel)
     else:
-        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision, ctx.zero_impl, ctx.ep)
+        key = ("params", op.name, st, ctx.mesh, unit_numel, ctx.precision, ctx.zero_impl, ctx.ep, ctx.float8)
         params = memo.get(key)
         if params is None:
             params = memo[key] = _param_costs(op, st, ctx, unit_numel)
     states, (tp_f, tp_b), dp, transient, comm, iter_comm = params
     copy_f, copy_b = _fsdp_copy_s(op, st, ctx)
     nf, nb, ncomm = _norm_stats_comm(op, st, ctx)
+    af, ab, acomm = _float8_amax_comm(op, st, ctx)
+    nf, nb, ncomm = nf + af, nb + ab, ncomm + acomm
     kept, dropped = _saved_bytes(op, st, ctx)
     if op.kind is OpKind.ATTENTION and ctx.cp > 1:
         fwd, bwd, cf, cb, ccomm, ckept = _context_parallel_attention(op, st, ctx, fwd, bwd)
@@ -527,9 +582,21 @@ def _host_s(op: Op, ctx: PlanContext, *, recomputed: bool) -> tuple[float, float
     if not separate_host(gpu):
         return 0.0, 0.0
     ours = ctx.autoshards_engine  # DTensor and FSDP2 are the runtime's, not another engine's
-    fwd = forward_host_s(op.dispatches, gpu, on_dtensors=ctx.on_dtensors and ours)
+    f8 = bool(ctx.float8) and float8_linear(op)
     hooks = hooks_host_s(gpu) / 2 if ours and any(p.owner for p in op.params) else 0.0
-    bwd = BACKWARD_DISPATCHES * fwd + hooks + (fwd + hooks if recomputed else 0.0)
+    if ctx.compiled(op):  # generated kernels launched by the block's compiled graphs (graph calls: evaluate.py)
+        kernels = (1 if op.kernels else 0) + \
+            (cast_kernels(ctx.float8, "fwd", compiled=True) if f8 else 0)
+        back = BACKWARD_DISPATCHES * kernels + (cast_kernels(ctx.float8, "bwd", compiled=True) if f8 else 0)
+        fwd = compiled_host_s(kernels)
+        bwd = compiled_host_s(back) + hooks + (fwd + hooks if recomputed else 0.0)
+        return fwd + hooks, bwd
+    extra_f = cast_kernels(ctx.float8, "fwd", compiled=False) if f8 else 0
+    extra_b = cast_kernels(ctx.float8, "bwd", compiled=False) if f8 else 0
+    on_dt = ctx.on_dtensors and ours
+    fwd = forward_host_s(op.dispatches + extra_f, gpu, on_dtensors=on_dt)
+    bwd = BACKWARD_DISPATCHES * forward_host_s(op.dispatches, gpu, on_dtensors=on_dt) + \
+        forward_host_s(extra_b, gpu, on_dtensors=on_dt) + hooks + (fwd + hooks if recomputed else 0.0)
     return fwd + hooks, bwd
 
 

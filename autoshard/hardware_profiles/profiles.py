@@ -80,6 +80,9 @@ class GPUProfile:
     # lower SM clock (measured as the best sustained GEMM over the best burst, e.g. ml-engineering's MSMF / MAMF).
     # 1.0: no such measurement (the burst rate is taken as sustained), and for profiles measured under load.
     sustained_tensor_fraction: float = 1.0
+    # A float8 GEMM's speed over the 16-bit GEMM of the same shape on the fp8 tensor cores (Hopper and newer);
+    # 0: no fp8 tensor cores, float8 training refused (cost_models/float8.py)
+    fp8_gemm_speedup: float = 0.0
 
     @property
     def sustained_tflops(self) -> float:
@@ -113,6 +116,9 @@ class GPUProfile:
         for name in ("host_us_per_op", "dtensor_us_per_op", "fsdp_us_per_module", "optimizer_us_per_tensor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"GPU profile {self.name}: {name} must not be negative")
+        if self.fp8_gemm_speedup and self.fp8_gemm_speedup < 1:
+            raise ValueError(f"GPU profile {self.name}: fp8_gemm_speedup is 0 (no fp8 tensor cores) or >= 1, got "
+                             f"{self.fp8_gemm_speedup}")
         for name in ("max_gemm_efficiency", "hbm_efficiency", "memory_efficient_attention_efficiency",
                      "sustained_tensor_fraction"):
             if not 0 < getattr(self, name) <= 1:

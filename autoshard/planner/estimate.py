@@ -17,6 +17,7 @@ from autoshard.cost_models.bounds import block_costs
 from autoshard.cost_models.context import TP_OVERLAP, PlanContext, default_precision
 from autoshard.cost_models.context_parallel import CP_ATTENTION
 from autoshard.cost_models.evaluate import Evaluation, evaluate
+from autoshard.cost_models.float8 import FLOAT8_RECIPES
 from autoshard.cost_models.memory import ALLOCATORS, PRECISIONS
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import ConfigurationError, require_positive
@@ -61,6 +62,8 @@ class HandConfig:
     # asynchronous TP communication), "all" (Megatron-Core --tp-comm-overlap); True means "all"
     tp_comm_overlap: str | bool = ""
     allocator: str = "expandable"  # PyTorch CUDA allocator mode: expandable (segments) or caching (default)
+    compile: bool = False  # every repeated block torch.compile'd (torchtitan --compile; the runtime's compile=True)
+    float8: str = ""  # float8 training of the block Linears: "", "tensorwise" or "rowwise" (cost_models/float8.py)
     # another engine's training precision (cost_models.memory.PRECISIONS: "bf16-mixed-16bit-grads" for DeepSpeed's
     # and Megatron's fp16 engines); None: what autoshard's runtime runs on the cluster (context.default_precision)
     precision: str | None = None
@@ -78,6 +81,9 @@ class HandConfig:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ConfigurationError(f"precision={self.precision!r}: use one of {', '.join(PRECISIONS)}",
                                      params=("precision",))
+        if self.float8 and self.float8 not in FLOAT8_RECIPES:
+            raise ConfigurationError(f"float8={self.float8!r}: use one of {', '.join(FLOAT8_RECIPES)} (or leave it "
+                                     "off)", params=("float8",))
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigurationError(f"recompute={self.recompute!r}: use none, selective or full", params=("recompute",))
         if self.schedule is not None and self.schedule not in SCHEDULES:
@@ -132,6 +138,10 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
         raise ConfigurationError(
             f"tp x pp x dp{cp} = {n}, but cluster {cluster} has {cluster.num_gpus} GPUs; choose degrees whose "
             f"product is {cluster.num_gpus}")
+    if cfg.float8 and not cluster.gpu.fp8_gemm_speedup:
+        raise ConfigurationError(f"float8={cfg.float8}: {cluster.gpu.name} has no float8 tensor cores (float8 "
+                                 "training needs an H100, H200 or newer); drop --float8 or pick such a cluster",
+                                 params=("float8",))
     if cfg.cp > 1:
         check_context_parallel(graph, cfg.cp)
     if cfg.ep > 1:
@@ -216,7 +226,8 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
                       precision=PRECISIONS[cfg.precision] if cfg.precision else default_precision(cluster),
                       recompute=cfg.recompute, seq=graph.seq_len,
                       fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, zero_impl=cfg.zero_impl,
-                      tp_overlap=cfg.tp_comm_overlap, allocator=cfg.allocator)
+                      tp_overlap=cfg.tp_comm_overlap, allocator=cfg.allocator, compile=cfg.compile,
+                      float8=cfg.float8)
     assign = megatron_assignment(graph, priced, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
                                  zero=cfg.zero)
     stage_layers = _stage_layers(graph, cfg.pp, cfg.virtual_stages)
@@ -227,6 +238,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
                 global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
                 seq=graph.seq_len * cfg.cp if graph.seq_len else graph.seq_len,
                 recompute=cfg.recompute, pipeline=pipe, prediction=ev.prediction, space=("manual",), ep=cfg.ep,
+                compile=cfg.compile, float8=cfg.float8,
                 attention=attention_kernel(graph),
                 ops=tuple(OpPlan(op=op.name, module=op.module_path, kind=op.kind.value, layer=op.layer,
                                  inputs=op.inputs,

@@ -74,6 +74,7 @@ import pulp
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.evaluate import (
+    compiled_graphs_host_s,
     edge_time_s,
     inflight_microbatches,
     loss_per_stage,
@@ -260,7 +261,7 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p, 
                 dpg.append((v, n * c.dp_iter_fwd_s))
                 opt.append((v, n * c.optim_bytes * per_state_byte))
         tp += edge_terms[k] + [t for s, t in out_terms if s == k]
-        fwd, bwd, in_floor = _host_floor(lp, tg, costs, k, fwd, bwd, loss[k])
+        fwd, bwd, in_floor = _host_floor(lp, tg, costs, ctx, k, fwd, bwd, loss[k])
         u = units[k]
         Ef = _overlap_rows(lp, f"Ef_{k}", dpf, fwd, units=u, slowdown=slow, per=per)
         Eb = _overlap_rows(lp, f"Eb_{k}", dpb, bwd, units=u, slowdown=slow, per=per)
@@ -285,13 +286,14 @@ def _stage_tensors(tg: TemplateGraph, k: int):
     return [(tg.per_stage[op.name][k], sum(1 for p in op.params if p.owner)) for op in tg.ops]
 
 
-def _host_floor(lp, tg, costs, k: int, fwd, bwd, loss_s: float):
+def _host_floor(lp, tg, costs, ctx, k: int, fwd, bwd, loss_s: float):
     """On a GPU a phase takes at least its host time (cost_models/host.py; the same for every strategy of an op):
     (F, B, seconds of the stage's fixed row now inside them) with F, B as variables Fh >= F + loss, Fh >= host
     forward and Bh likewise (the loss's kernels are part of the phase the host issues, as evaluate.py counts
     them), or the term lists unchanged and 0 where the host costs nothing (CPU ranks)."""
-    host_f = sum(tg.per_stage[op.name][k] * costs[op.name][0].host_fwd_s for op in tg.ops)
-    host_b = sum(tg.per_stage[op.name][k] * costs[op.name][0].host_bwd_s for op in tg.ops)
+    graphs = compiled_graphs_host_s(tg, ctx, k)
+    host_f = graphs + sum(tg.per_stage[op.name][k] * costs[op.name][0].host_fwd_s for op in tg.ops)
+    host_b = graphs + sum(tg.per_stage[op.name][k] * costs[op.name][0].host_bwd_s for op in tg.ops)
     if not host_f and not host_b:
         return fwd, bwd, 0.0
     out = []

@@ -219,6 +219,11 @@ class Plan:
     # expert parallel: the experts of every mixture-of-experts layer over ep consecutive ranks of the dp group
     # (cost_models/expert_parallel.py, runtime/expert_parallel.py); 1: none
     ep: int = 1
+    # every repeated block torch.compile'd by the runtime, after tensor parallelism and before FSDP2
+    # (runtime/compile.py; priced by cost_models: fused kernels, compiled host cost)
+    compile: bool = False
+    # float8 training of the block Linears (torchao): "" none, "tensorwise" or "rowwise" (cost_models/float8.py)
+    float8: str = ""
     baselines: tuple[Baseline, ...] = ()  # what `autoshard plan` priced beside the plan (explain --plot draws them)
     version: int = PLAN_VERSION
 
@@ -227,6 +232,8 @@ class Plan:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.global_batch < 1 or self.micro_batch < 1:
             raise ValueError("global_batch and micro_batch must be positive")
+        if self.float8 not in ("", "tensorwise", "rowwise"):
+            raise ValueError(f"float8 must be '', 'tensorwise' or 'rowwise', got {self.float8!r}")
         if self.ep < 1 or self.mesh.degree("dp") % self.ep:
             raise ValueError(f"ep must divide the dp degree {self.mesh.degree('dp')}, got {self.ep}")
 
@@ -251,7 +258,8 @@ class Plan:
             "mesh": self.mesh.to_json(), "global_batch": self.global_batch, "micro_batch": self.micro_batch,
             "seq": self.seq, "recompute": self.recompute, "pipeline": asdict(self.pipeline),
             "space": list(self.space), "solve_time_s": self.solve_time_s, "attention": self.attention,
-            "solver": self.solver, "optimal": self.optimal, "ep": self.ep,
+            "solver": self.solver, "optimal": self.optimal, "ep": self.ep, "compile": self.compile,
+            "float8": self.float8,
             "prediction": self.prediction.to_json() if self.prediction else None,
             "baselines": [b.to_json() for b in self.baselines],
             "ops": [p.to_json() for p in self.ops],
@@ -280,6 +288,7 @@ class Plan:
                 pipeline=PipelineSpec(**pipe), space=tuple(d.get("space", ())),
                 solve_time_s=float(d.get("solve_time_s", 0.0)), attention=str(d.get("attention", "")),
                 solver=str(d.get("solver", "")), optimal=bool(d.get("optimal", True)), ep=int(d.get("ep", 1)),
+                compile=bool(d.get("compile", False)), float8=str(d.get("float8") or ""),
                 prediction=Prediction.from_json(d["prediction"]) if d.get("prediction") else None,
                 baselines=tuple(Baseline.from_json(b) for b in d.get("baselines") or ()),
                 ops=tuple(OpPlan.from_json(p) for p in d["ops"]),
