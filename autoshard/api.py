@@ -197,9 +197,11 @@ def _default_global_batch(cluster, global_batch: int | None) -> int:
 
 def plan(model, cluster, *, example_inputs=None, global_batch: int | None = None, seq: int | None = None,
          memory_cap: float | None = None, space: str | None = None, time_limit_s: float = 20.0, progress=None,
-         attention: str = "auto"):
+         attention: str = "auto", compile: bool | None = None, float8: str = ""):
     """Dry run: the fastest plan for `model` on `cluster` (no GPU needed). `memory_cap` in GiB per GPU;
-    `attention` the kernel priced for zoo and spec models ("auto": flash; see `resolve_attention`)."""
+    `attention` the kernel priced for zoo and spec models ("auto": flash; see `resolve_attention`); `compile`
+    each block where the runtime can (None: on GPU clusters), `float8` the block Linears ("tensorwise",
+    "rowwise"; H100/H200): planner/search.py `Lowering`."""
     from autoshard.planner.outer import best_plan  # imported here: estimate_config runs without PuLP
     from autoshard.planner.search import parse_space
 
@@ -208,8 +210,18 @@ def plan(model, cluster, *, example_inputs=None, global_batch: int | None = None
     require_positive("time_limit_s", time_limit_s, integer=False, unit=" of seconds")
     graph = load_graph(model, example_inputs=example_inputs, seq=seq, attention=attention)
     result, _ = best_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap, time_limit_s=time_limit_s,
-                          progress=progress, local_graph=_local_graphs(model, attention))
+                          progress=progress, local_graph=_local_graphs(model, attention),
+                          lowering=_lowering(compile, float8))
     return result
+
+
+def _lowering(compile: bool | None, float8: str | None):
+    from autoshard.planner.search import Lowering
+
+    if float8 and float8 not in ("tensorwise", "rowwise"):
+        raise ConfigurationError(f"float8={float8!r}: use 'tensorwise' or 'rowwise' (or leave it off)",
+                                 params=("float8",))
+    return Lowering(compile=compile, float8=float8 or "")
 
 
 def _local_graphs(model, attention: str):
@@ -222,7 +234,8 @@ def _local_graphs(model, attention: str):
 
 def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq: int | None = None,
                         memory_cap: float | None = None, space: str | None = None, time_limit_s: float = 20.0,
-                        progress=None, attention: str = "auto", baselines: bool = True):
+                        progress=None, attention: str = "auto", baselines: bool = True,
+                        compile: bool | None = None, float8: str = ""):
     """(Plan, SearchResult, baselines, graph, cluster) for the CLI; `baselines=False`: no baselines ({})."""
     from autoshard.planner.baselines import compute_baselines
     from autoshard.planner.outer import best_plan
@@ -234,7 +247,7 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
     graph = load_graph(model, seq=seq, attention=attention)
     the_plan, result = best_plan(graph, cluster, global_batch=gb, space=searched, cap_bytes=cap,
                                  time_limit_s=time_limit_s, progress=progress,
-                                 local_graph=_local_graphs(model, attention))
+                                 local_graph=_local_graphs(model, attention), lowering=_lowering(compile, float8))
     priced = {}
     if baselines:
         if progress is not None:
@@ -245,7 +258,7 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
 
 def autoparallel(model, cluster, *, example_inputs, global_batch: int, plan=None, space=None,
                  memory_cap: float | None = None, loss_fn=None, graph=None, timeout_s: float | None = None,
-                 time_limit_s: float = 20.0):
+                 time_limit_s: float = 20.0, compile: bool | None = None, float8: str = ""):
     """Parallelize `model` for this rank of a `cluster` job (call on every rank, under torchrun): the runtime's
     `autoparallel` (runtime/entry.py) with the planner behind it.
 
@@ -263,7 +276,7 @@ def autoparallel(model, cluster, *, example_inputs, global_batch: int, plan=None
     make = None
     if plan is None:
         make = functools.partial(make_runtime_plan, global_batch=global_batch, space=space, memory_cap=memory_cap,
-                                 time_limit_s=time_limit_s)
+                                 time_limit_s=time_limit_s, lowering=_lowering(compile, float8))
     elif space is not None or memory_cap is not None:
         logging.getLogger(__name__).info("space / memory_cap steer the planner; ignored because a plan was given")
     return apply_on_ranks(model, cluster, example_inputs=example_inputs, global_batch=global_batch, plan=plan,

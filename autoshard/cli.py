@@ -170,14 +170,16 @@ def _cmd_plan(args) -> int:
     args.progress(f"loading the graph of {args.model}")
     plan, result, baselines, graph, cluster = plan_with_baselines(
         args.model, args.cluster, global_batch=args.global_batch, seq=args.seq, memory_cap=args.memory_cap,
-        space=args.space, time_limit_s=args.time_limit, progress=args.progress, attention=args.attention)
+        space=args.space, time_limit_s=args.time_limit, progress=args.progress, attention=args.attention,
+        compile={"auto": None, "on": True, "off": False}[args.compile], float8=args.float8 or "")
     args.progress.close()
     plan = dc_replace(plan, baselines=tuple(baselines.values()))
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
             "mesh": plan.mesh.to_json(), "ep": plan.ep, "micro_batch": plan.micro_batch,
             "num_microbatches": plan.num_microbatches,
-            "recompute": plan.recompute, "attention": plan.attention, "pipeline": {"degree": plan.pipeline.degree,
+            "recompute": plan.recompute, "attention": plan.attention, "compile": plan.compile,
+            "float8": plan.float8 or "none", "pipeline": {"degree": plan.pipeline.degree,
                                                       "schedule": plan.pipeline.schedule,
                                                       "virtual_stages": plan.pipeline.virtual_stages},
             "predicted": {**_pred_row(pred), **prediction_json(pred)}, "warnings": _warnings(pred, cluster, plan),
@@ -202,6 +204,11 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _lowering_label(plan) -> str:
+    compiled = "blocks torch.compile'd" if plan.compile else "eager"
+    return compiled + (f", block Linears in float8 ({plan.float8} scaling)" if plan.float8 else ", 16-bit GEMMs")
+
+
 def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
     from autoshard.planner.explain import batch_label, recompute_label
 
@@ -216,6 +223,7 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
              f"recompute {recompute_label(plan.recompute, plan.attention)}"
              + (", layered gradient accumulation" if pipe.layered else ""),
              f"attention        {_attention_kernel(plan)}",
+             f"lowering         {_lowering_label(plan)}",
              *_prediction_text(pred, cluster, plan), "", "strategies per operator:", *("  " + t for t in table), "",
              f"{'':14s}{'tokens/s':>14s}{'MFU':>8s}{'GiB/GPU':>9s}  configuration",
              f"{'plan':14s}{pred.tokens_per_s:14,.0f}{pred.mfu * 100:7.1f}%{pred.memory.total_bytes / 2**30:9.1f}"]
@@ -556,6 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--attention", choices=("auto", "eager", "flash", "sdpa"), default="auto",
                     help="attention kernel priced for zoo and spec models (default auto: flash for decoders, "
                          "the model's own otherwise)")
+    pl.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                    help="torch.compile every repeated block where the runtime can (plans without tensor "
+                         "parallelism or multi-rank pipeline stages): auto (default) on GPU clusters, off on CPU "
+                         "ranks; priced as fused kernels and a host cost per compiled graph")
+    pl.add_argument("--float8", choices=("tensorwise", "rowwise"), default=None,
+                    help="train the block Linears in float8 (torchao; H100/H200 clusters only) where the runtime "
+                         "can (plans without tensor or expert parallelism); default: 16-bit")
     pl.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")
     pl.add_argument("-o", "--output", default=None, help="write the plan as versioned JSON")
     pl.add_argument("--plot", default=None, help="write a picture of the plan (PNG)")

@@ -95,7 +95,9 @@ def graph_totals(graph: OpGraph) -> GraphTotals:
 
 
 def time_lower_bound_s(graph: OpGraph, gpu, precision: Precision, *, tp_degree: int, pp: int, micro_batch: int,
-                       num_microbatches: int, fill: float, recompute: str) -> float:
+                       num_microbatches: int, fill: float, recompute: str, gemm_speedup: float = 1.0) -> float:
+    """`gemm_speedup`: the GEMMs' rate over 16-bit (float8 Linears: GPUProfile.fp8_gemm_speedup, applied to every
+    GEMM so the bound stays below any plan's time)."""
     t = graph_totals(graph)
     gemm = t.gemm_fwd + t.gemm_bwd + (t.gemm_fwd_block if recompute == "full" else 0.0)
     attn = t.attn_fwd * (1 + FLASH_BACKWARD_FLOPS_FACTOR) + (t.attn_fwd_block if recompute == "full" else 0.0)
@@ -103,7 +105,7 @@ def time_lower_bound_s(graph: OpGraph, gpu, precision: Precision, *, tp_degree: 
     if recompute == "selective":
         gemm += t.score_fwd + t.sac_gemm_fwd
         io += t.sac_io_block
-    peak = gpu.sustained_tflops * 1e12 * gpu.best_gemm_efficiency
+    peak = gpu.sustained_tflops * 1e12 * gpu.best_gemm_efficiency * gemm_speedup
     attn_peak = gpu.sustained_tflops * 1e12 * max_attention_efficiency(gpu)
     per_sample = gemm / peak + attn / attn_peak + \
         io * precision.act_bytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)

@@ -139,8 +139,8 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
             f"tp x pp x dp{cp} = {n}, but cluster {cluster} has {cluster.num_gpus} GPUs; choose degrees whose "
             f"product is {cluster.num_gpus}")
     if cfg.float8 and not cluster.gpu.fp8_gemm_speedup:
-        raise ConfigurationError(f"float8={cfg.float8}: {cluster.gpu.name} has no float8 tensor cores (float8 "
-                                 "training needs an H100, H200 or newer); drop --float8 or pick such a cluster",
+        raise ConfigurationError(f"float8={cfg.float8}: {cluster.gpu.name} has no fp8 tensor cores (8-bit floating "
+                                 "point needs an H100, H200 or newer); drop --float8 or pick such a cluster",
                                  params=("float8",))
     if cfg.cp > 1:
         check_context_parallel(graph, cfg.cp)

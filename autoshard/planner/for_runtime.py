@@ -48,7 +48,8 @@ def _cap_bytes(cluster, memory_cap_gib: float | None) -> float:
 
 
 def make_runtime_plan(model, cluster, example_inputs: tuple, *, global_batch: int, space=None,
-                      memory_cap: float | None = None, graph=None, time_limit_s: float = 20.0) -> Plan:
+                      memory_cap: float | None = None, graph=None, time_limit_s: float = 20.0,
+                      lowering=None) -> Plan:
     """The planner's best plan for `model` (an nn.Module and one batch of its inputs, or its `graph`) on
     `cluster` inside what the runtime can run; logs it."""
     from autoshard.capture import capture
@@ -61,7 +62,7 @@ def make_runtime_plan(model, cluster, example_inputs: tuple, *, global_batch: in
     cap = _cap_bytes(cluster, memory_cap)
     graph = graph if graph is not None else capture(model, example_inputs, name=type(model).__name__)
     result = search(graph, cluster, global_batch=global_batch, space=families, schedules=schedules, cap_bytes=cap,
-                    time_limit_s=time_limit_s)
+                    time_limit_s=time_limit_s, **({"lowering": lowering} if lowering is not None else {}))
     plan = plan_from_result(graph, cluster, result, global_batch=global_batch, space=families)
     log.info("%s", plan_summary(plan))
     return plan

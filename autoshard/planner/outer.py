@@ -11,7 +11,7 @@ from autoshard.capture.ir import OpGraph
 from autoshard.errors import ConfigurationError, InfeasiblePlanError
 from autoshard.planner.estimate import check_context_parallel
 from autoshard.planner.planning import make_plan
-from autoshard.planner.search import SearchResult
+from autoshard.planner.search import DEFAULT_LOWERING, Lowering, SearchResult
 from autoshard.plans.contract import expert_parallel_degrees, num_experts
 from autoshard.plans.plan import Plan, graph_fields
 
@@ -46,7 +46,8 @@ def context_parallel_degrees(graph: OpGraph, cluster, space: frozenset[str], *, 
 
 def best_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str], cap_bytes: float,
               time_limit_s: float, progress=None,
-              local_graph: Callable[[int], OpGraph] | None = None) -> tuple[Plan, SearchResult]:
+              local_graph: Callable[[int], OpGraph] | None = None,
+              lowering: Lowering = DEFAULT_LOWERING) -> tuple[Plan, SearchResult]:
     """(plan, search) of the fastest plan over `space`: the search on the whole graph; with "cp" in the space
     one search per context-parallel degree on that degree's rank-local graph (`local_graph(seq)`: the model
     captured at seq tokens; data parallel, ZeRO and tensor parallelism around it, no pipeline: what the
@@ -56,7 +57,7 @@ def best_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[st
     best, first_error, without_cp = None, None, None
     try:
         best = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp", "ep"}, cap_bytes=cap_bytes,
-                         time_limit_s=time_limit_s, progress=progress)
+                         time_limit_s=time_limit_s, progress=progress, lowering=lowering)
         without_cp = best[0].prediction.iteration_time_s
     except InfeasiblePlanError as exc:
         first_error = exc
@@ -66,7 +67,7 @@ def best_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[st
             progress(f"expert parallel {ep}: searching")
         try:
             p, r = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp"}, cap_bytes=cap_bytes,
-                             time_limit_s=time_limit_s, progress=progress, ep=ep)
+                             time_limit_s=time_limit_s, progress=progress, lowering=lowering, ep=ep)
         except InfeasiblePlanError:
             by_ep[ep] = None
             continue
@@ -80,7 +81,7 @@ def best_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[st
         local = local_graph(graph.seq_len // cp)
         try:
             p, r = make_plan(local, cluster, global_batch=global_batch * cp, space=space - {"cp", "ep", "pp"},
-                             cap_bytes=cap_bytes, time_limit_s=time_limit_s, progress=progress, cp=cp)
+                             cap_bytes=cap_bytes, time_limit_s=time_limit_s, progress=progress, lowering=lowering, cp=cp)
         except InfeasiblePlanError:
             tried[cp] = None
             continue

@@ -10,7 +10,14 @@ from autoshard.cost_models.evaluate import op_sites, sink_layout
 from autoshard.cost_models.opcost import edge_cost, grad_partial_axes, op_cost
 from autoshard.cost_models.template import template_for
 from autoshard.planner.ilp import solver_name
-from autoshard.planner.search import SearchResult, allowed, candidate_context, search
+from autoshard.planner.search import (
+    DEFAULT_LOWERING,
+    Lowering,
+    SearchResult,
+    allowed,
+    candidate_context,
+    search,
+)
 from autoshard.plans.contract import attention_kernel
 from autoshard.plans.layouts import MeshSpec
 from autoshard.plans.plan import OpPlan, OpStrategy, Plan, graph_fields
@@ -91,16 +98,18 @@ def plan_from_result(graph: OpGraph, cluster, result: SearchResult, *, global_ba
                 seq=graph.seq_len * cand.cp if graph.seq_len else graph.seq_len,
                 recompute=cand.recompute, pipeline=cand.pipe, ops=tuple(ops), prediction=result.evaluation.prediction,
                 space=tuple(sorted(space)), solve_time_s=result.solve_time_s, attention=attention_kernel(graph),
-                solver=solver_name(), optimal=result.optimal, ep=cand.ep)
+                solver=solver_name(), optimal=result.optimal, ep=cand.ep, compile=cand.compile,
+                float8=cand.float8)
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str], cap_bytes: float | None = None,
               time_limit_s: float = 20.0, budget_s: float = 120.0, progress=None, cp: int = 1,
-              ep: int | None = None) -> tuple[Plan, SearchResult]:
+              ep: int | None = None, lowering: Lowering = DEFAULT_LOWERING) -> tuple[Plan, SearchResult]:
     """The best plan and its search. With `cp` > 1, `graph` is the rank-local graph (seq / cp tokens) and
     `global_batch` counts its sequences (cp per whole sequence); the plan returned is in whole sequences, under
     the local graph's name and fingerprint (api.py names it for the whole model). `ep`: search that
     expert-parallel degree only (search.enumerate_candidates)."""
     result = search(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap_bytes,
-                    time_limit_s=time_limit_s, budget_s=budget_s, progress=progress, cp=cp, ep=ep)
+                    time_limit_s=time_limit_s, budget_s=budget_s, progress=progress, cp=cp, ep=ep,
+                    lowering=lowering)
     return plan_from_result(graph, cluster, result, global_batch=global_batch, space=space), result

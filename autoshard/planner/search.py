@@ -35,6 +35,7 @@ from autoshard.cost_models.evaluate import (
     pipeline_fill,
     selective_keeps,
 )
+from autoshard.cost_models.float8 import FLOAT8_RECIPES
 from autoshard.cost_models.opcost import op_cost
 from autoshard.cost_models.template import template_for
 from autoshard.errors import InfeasiblePlanError
@@ -53,7 +54,7 @@ from autoshard.plans.plan import SCHEDULES, OpStrategy, PipelineSpec
 from autoshard.plans.strategies import strategies_in
 
 __all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search", "parse_space", "allowed",
-           "candidate_context"]
+           "candidate_context", "Lowering", "DEFAULT_LOWERING"]
 
 log = logging.getLogger(__name__)
 SPACE = ("dp", "zero", "tp1d", "tp2d", "tp3d", "pp", "cp", "ep")
@@ -74,6 +75,30 @@ def parse_space(text: str | None) -> frozenset[str]:
     return parts
 
 
+@dataclass(frozen=True, kw_only=True)
+class Lowering:
+    """How the runtime lowers the blocks, where it can (plans whose ops run on plain tensors: no tensor-parallel
+    axes, pipeline stages of one rank; runtime/compile.py refuses the rest): `compile` each block with
+    torch.compile (None: on GPU clusters, where the cost model prices the compiled kernels from GPU sources;
+    CPU ranks compile in minutes what runs in seconds), `float8` the block Linears ("" none, "tensorwise",
+    "rowwise"; GPUs with fp8 tensor cores only)."""
+
+    compile: bool | None = None
+    float8: str = ""
+
+    def __post_init__(self) -> None:
+        if self.float8 not in ("", *FLOAT8_RECIPES):
+            raise ValueError(f"float8 must be one of {', '.join(FLOAT8_RECIPES)} or empty, got {self.float8!r}")
+
+    def for_mesh(self, cluster, *, plain: bool, ep: int) -> tuple[bool, str]:
+        """(compile, float8) for a candidate; `plain`: its ops run on plain tensors."""
+        compiled = (cluster.gpu.device == "cuda" if self.compile is None else self.compile) and plain
+        return compiled, self.float8 if plain and ep == 1 else ""
+
+
+DEFAULT_LOWERING = Lowering()
+
+
 @dataclass(frozen=True)
 class Candidate:
     mesh: MeshSpec
@@ -85,6 +110,8 @@ class Candidate:
     memory_lb_bytes: float
     cp: int = 1  # context parallel: `mesh` has cp folded into dp and the graph is the rank-local one
     ep: int = 1  # expert parallel: each MoE layer's experts over ep consecutive ranks of dp
+    compile: bool = False  # every block torch.compile'd (Lowering)
+    float8: str = ""  # the block Linears in float8 (Lowering)
 
 
 @dataclass
@@ -154,13 +181,19 @@ def _pipelines(graph: OpGraph, pp: int, space: frozenset[str], m: int,
 
 def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str],
                          cap_bytes: float, schedules: frozenset[str] = frozenset(SCHEDULES), cp: int = 1,
-                         ep: int | None = None) -> tuple[list[Candidate], int]:
+                         ep: int | None = None, lowering: Lowering = DEFAULT_LOWERING) -> tuple[list[Candidate], int]:
     """(candidates that may fit, number pruned by the memory bound), sorted by time bound. With `cp` > 1 the
     graph is the rank-local one (seq / cp tokens), `global_batch` counts its sequences, and the meshes' dp
     is dp x cp (MeshSpec.folded_cp). With "ep" in the space, a model with mixture-of-experts layers also gets
     every expert-parallel degree the runtime runs on each dp (`contract.expert_parallel_degrees`); `ep`: that
-    degree only (meshes whose dp it divides)."""
+    degree only (meshes whose dp it divides). `lowering`: compile and float8 where the runtime runs them."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
+    if lowering.float8 and not cluster.gpu.fp8_gemm_speedup:
+        from autoshard.errors import ConfigurationError
+
+        raise ConfigurationError(f"float8={lowering.float8}: {cluster.gpu.name} has no fp8 tensor cores (8-bit floating "
+                                 "point needs an H100, H200 or newer); drop --float8 or pick such a cluster",
+                                 params=("float8",))
     prec = default_precision(cluster)
     recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) or selective_keeps(graph) else [])
     max_zero = 3 if "zero" in space else 0
@@ -183,6 +216,8 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                 eps = (ep,) if ep in eps else ()
             for b, e in itertools.product(_micro_batches(global_batch, dp, batch_shard), eps):
                 m = global_batch // (dp * b)
+                compiled, f8 = lowering.for_mesh(cluster, plain=not tp and (pp == 1 or n // pp == 1), ep=e)
+                speedup = cluster.gpu.fp8_gemm_speedup if f8 else 1.0
                 for pipe in _pipelines(graph, pp, space, m, schedules):
                     for rc in recomputes:
                         inflight = inflight_microbatches(0, pipe, m)
@@ -194,8 +229,9 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                             pruned += 1
                             continue
                         lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tdeg, pp=pp, micro_batch=b,
-                                                num_microbatches=m, fill=pipeline_fill(pipe), recompute=rc)
-                        found.append(Candidate(mesh, b, m, rc, pipe, lb, mem, cp, e))
+                                                num_microbatches=m, fill=pipeline_fill(pipe), recompute=rc,
+                                                gemm_speedup=speedup)
+                        found.append(Candidate(mesh, b, m, rc, pipe, lb, mem, cp, e, compiled, f8))
     found.sort(key=lambda c: (c.time_lb_s, c.mesh.size, str(c.mesh), c.micro_batch, c.recompute,
                               c.pipe.schedule, c.pipe.virtual_stages, c.ep))
     return found, pruned
@@ -250,12 +286,13 @@ _PROGRESS_EVERY_S = 2.0  # one progress line per this many seconds of search, no
 def search(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[str] = frozenset(SPACE),
            schedules: frozenset[str] = frozenset(SCHEDULES),
            cap_bytes: float | None = None, time_limit_s: float = 20.0, budget_s: float = 120.0,
-           progress: Callable[[str], None] | None = None, cp: int = 1, ep: int | None = None) -> SearchResult:
+           progress: Callable[[str], None] | None = None, cp: int = 1, ep: int | None = None,
+           lowering: Lowering = DEFAULT_LOWERING) -> SearchResult:
     """Best plan over the space; raises InfeasiblePlanError with the smallest memory any plan needs. `cp`:
     context parallel over cp ranks, `ep`: only that expert-parallel degree (`enumerate_candidates`)."""
     cap = cap_bytes if cap_bytes is not None else cluster.device_memory_bytes
     cands, pruned = enumerate_candidates(graph, cluster, global_batch=global_batch, space=space, cap_bytes=cap,
-                                         schedules=schedules, cp=cp, ep=ep)
+                                         schedules=schedules, cp=cp, ep=ep, lowering=lowering)
     t0 = time.perf_counter()
     if progress:
         progress(f"searching {len(cands)} configurations")
@@ -319,7 +356,8 @@ def candidate_context(graph, cluster, cand: Candidate, cache: dict | None = None
     return PlanContext(mesh=cand.mesh, cluster=cluster, micro_batch=cand.micro_batch,
                        num_microbatches=cand.num_microbatches, precision=default_precision(cluster),
                        recompute=cand.recompute, seq=graph.seq_len, _cache=memo, cp=cand.cp,
-                       cp_kv_fraction=kv_head_fraction(graph), ep=cand.ep)
+                       cp_kv_fraction=kv_head_fraction(graph), ep=cand.ep, compile=cand.compile,
+                       float8=cand.float8)
 
 
 @dataclass

@@ -8,7 +8,8 @@
     4. operator splitting of the Linears planned with split > 1 (split.py);
        given example inputs, the choice between running the model's own code on local shards and SPMD mode
        (local_shards.py; it runs two forwards, so before FSDP);
-    5. activation recomputation of every repeated block, full or selective (recompute.py);
+    5. activation recomputation of every repeated block, full or selective (recompute.py), then, if the plan
+       says so, `torch.compile` of every repeated block (compile.py);
     6. sharded data parallel per op: FSDP2 in SPMD mode on the dp mesh dim (data_parallel.py), with the
        plan's precision (precision.py: bf16 mixed on GPUs, on a dp dim of one rank when the plan has none).
 
@@ -31,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.memory import Precision
 from autoshard.plans.plan import Plan
+from autoshard.runtime.compile import check_float8_plan, compile_blocks, convert_float8
 from autoshard.runtime.context_parallel import apply_context_parallel
 from autoshard.runtime.data_parallel import (
     apply_operator_splitting,
@@ -72,6 +74,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     """
     precision = precision or precision_for_device(mesh.device_type)
     register_dtensor_rules()
+    check_float8_plan(plan, mesh.device_type)
+    convert_float8(model, plan)  # 0: torchao's Float8Linear for the block Linears, before anything else (compile.py)
     specs = module_specs(plan, graph, model)
     if not plan.mesh.tp_axes:  # data parallel and ZeRO only: plain tensors, as torchtitan runs FSDP2
         state = RuntimeState(plan=plan, mesh=mesh, spmd=False)
@@ -86,6 +90,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
         model = make_parallel(model, state)  # 1
         apply_operator_splitting(model, specs, None, mesh)  # 4
         apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
+        compile_blocks(model, plan)
         apply_plain_data_parallel(model, specs, mesh, precision=precision, expert_meshes=experts,  # 6
                                   expert_zero=_expert_zero(plan))
         log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
@@ -115,6 +120,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     if example_inputs is not None:  # 4b: the model's own code on local shards if the plan and the code allow
         choose_local_shards(model, state, specs, example_inputs)
     apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
+    compile_blocks(model, plan)
     apply_sharded_data_parallel(model, specs, mesh, precision=precision, expert_meshes=experts,  # 6
                                 expert_zero=_expert_zero(plan))
     log.info("applied plan %s on mesh %s: %d module ops", plan.model, plan.mesh, len(specs))

@@ -55,6 +55,7 @@ from autoshard.plans.contract import schedule_blocker
 from autoshard.plans.layouts import SEQ, MeshSpec
 from autoshard.plans.plan import Plan
 from autoshard.runtime.apply import _statistics_parallel_norms, materializes_scores
+from autoshard.runtime.compile import check_float8_plan, compile_blocks, convert_float8
 from autoshard.runtime.data_parallel import (
     apply_operator_splitting,
     apply_plain_data_parallel,
@@ -149,6 +150,7 @@ def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: De
     _statistics_parallel_norms(specs, runtimes)
     apply_operator_splitting(stage, specs, runtimes, mesh)
     apply_recompute(stage, plan, scores=materializes_scores(plan))
+    compile_blocks(stage, plan)
     apply_sharded_data_parallel(stage, specs, mesh, precision=precision)
 
 
@@ -359,6 +361,8 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
                                  "autoparallel(..., loss_fn=fn) with fn(model_output, target) -> scalar")
     example = _single_input(example_inputs)
     name = _check_schedule(plan)  # every user error before the first collective
+    check_float8_plan(plan, device_type)
+    convert_float8(model, plan)  # before the model is cut (compile.py)
     family = family_of(model, example)
     stage_layers = _stage_layers(plan, len(model.get_submodule(family.blocks)))
     chunks = build_chunks(model, stage_layers, example)
@@ -392,6 +396,7 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
                                            seq_recv=send_axes[c - 1] if c > 0 else ())
         else:  # a one-rank stage: plain tensors, recomputation, and FSDP2 on one rank to cast the parameters
             apply_recompute(chunk, plan, scores=materializes_scores(plan))
+            compile_blocks(chunk, plan)
             if unit_dp:
                 apply_plain_data_parallel(chunk, _chunk_specs(specs, chunk), full["dp"], precision=precision)
         if name == "looped-bfs":

@@ -62,6 +62,13 @@ CASES["gpt-heads-minus-one-1d"] = (2, "gpt-heads-minus-one", "megatron", {"tp": 
 # recompute, whose ops also checkpoint themselves (they keep sharded inputs): its all-gathers measured 917,504
 # bytes per step against 983,040 predicted (+7%; 688,128 before replays were counted), stop 38
 CASES["llama-1d-full-recompute"] = (2, "llama", "megatron", {"tp": 2}, {"recompute": "full"})
+# compiled blocks (Plan.compile: each block torch.compile'd by Inductor on CPU, after recompute, before FSDP2),
+# against the eager single process: data parallel, ZeRO-3 with full and with selective recompute
+CASES["llama-dp-compiled"] = (2, "llama", "replicate", {"dp": 2}, {"compile": True})
+CASES["gpt2-zero3-compiled-full-recompute"] = (2, "gpt2", "replicate", {"dp": 2},
+                                               {"zero": 3, "recompute": "full", "compile": True})
+CASES["llama-zero3-compiled-selective-recompute"] = (2, "llama", "replicate", {"dp": 2},
+                                                     {"zero": 3, "recompute": "selective", "compile": True})
 
 
 @functools.cache
@@ -93,9 +100,9 @@ def _world_results(world: int, long: bool, tmp_dir: str) -> dict[str, dict]:
         if w != world or (case_id in LONG) != long:
             continue
         options = dict(options)
-        recompute = options.pop("recompute", "none")
+        recompute, compiled = options.pop("recompute", "none"), options.pop("compile", False)
         plan = make_plan(_graph(model), MeshSpec.of(**degrees), family, global_batch=BATCH, **options)
-        plan = dataclasses.replace(plan, recompute=recompute)
+        plan = dataclasses.replace(plan, recompute=recompute, compile=compiled)
         cluster = ClusterSpec.parse(f"1x{world}xcpu")
         case = {"id": case_id, "model": model, "batch": BATCH,
                 "expected_param_bytes": expected_param_bytes(plan, _graph(model)),

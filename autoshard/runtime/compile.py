@@ -1,0 +1,95 @@
+"""Compiled blocks and float8 Linears, as torchtitan applies them.
+
+Compile (`Plan.compile`): every repeated block is `torch.compile`d on its own, in place (`nn.Module.compile`,
+so parameter names and module paths stay as they were), after tensor parallelism and activation checkpointing
+and before FSDP2 (torchtitan's `apply_compile` between `apply_ac` and `apply_fsdp`): the block's forward and
+backward become Inductor graphs with fused pointwise kernels, FSDP2's hooks stay outside them. Graph breaks are
+allowed (a model's own code may have some); each is a second graph of its own, not an error.
+
+Float8 (`Plan.float8`): torchao's `convert_to_float8_training` swaps the Linears inside the repeated blocks for
+`Float8Linear`s before anything else is applied (torchtitan's model converters run before `parallelize`); the
+head stays in 16 bits (torchtitan's `filter_fqns = ["output"]`), and so does any Linear whose dims are not
+multiples of 16. Tensorwise scaling gathers the weights in float8 under FSDP2
+(`enable_fsdp_float8_all_gather`). The cost model prices the same conversion (cost_models/float8.py
+`float8_linear`). torchao is an optional dependency (`pip install torchao`), needed only by float8 plans.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from autoshard.errors import ConfigurationError
+from autoshard.plans.plan import Plan
+from autoshard.runtime.recompute import block_paths
+
+__all__ = ["compile_blocks", "convert_float8", "check_float8_plan"]
+
+log = logging.getLogger(__name__)
+_ALIGN = 16  # torch._scaled_mm's alignment of both dims (cost_models/float8.py)
+
+
+def compile_blocks(model: nn.Module, plan: Plan) -> int:
+    """`torch.compile` every repeated block of `model` in place when the plan says so; returns how many."""
+    if not plan.compile:
+        return 0
+    paths = block_paths(plan, model)
+    for path in paths:
+        model.get_submodule(path).compile()
+    log.info("compiled %d blocks", len(paths))
+    return len(paths)
+
+
+def check_float8_plan(plan: Plan, device_type: str) -> None:
+    """Refuse, before the model is touched, a float8 plan this runtime cannot run, naming why and the fix."""
+    if not plan.float8:
+        return
+    if plan.mesh.tp_axes:
+        raise ConfigurationError(
+            f"the plan trains in float8 with tensor-parallel axes {', '.join(plan.mesh.tp_axes)}: autoshard's runtime "
+            "runs float8 with data parallelism, ZeRO and pipelines only; re-plan with --float8 none or without "
+            "tensor parallelism", params=("float8",))
+    if plan.ep > 1:
+        raise ConfigurationError("the plan trains in float8 with expert parallelism, which autoshard's runtime does "
+                                 "not run; re-plan without --float8", params=("float8",))
+    if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        name = torch.cuda.get_device_name()
+        raise ConfigurationError(f"the plan trains in float8, which {name} has no tensor cores for (compute "
+                                 "capability 8.9 or newer: H100, H200); re-plan without --float8",
+                                 params=("float8",))
+    _torchao_float8()
+
+
+def _torchao_float8():
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as exc:
+        raise ConfigurationError(f"the plan trains in float8, which needs torchao ({exc}); `pip install torchao`, "
+                                 "or re-plan without --float8", params=("float8",)) from exc
+    return Float8LinearConfig, convert_to_float8_training
+
+
+def convert_float8(model: nn.Module, plan: Plan) -> int:
+    """Swap the block Linears of `model` for torchao's Float8Linear as `plan.float8` says; returns how many."""
+    if not plan.float8:
+        return 0
+    config_cls, convert = _torchao_float8()
+    if plan.float8 == "tensorwise":
+        config = config_cls(enable_fsdp_float8_all_gather=True)
+    else:
+        config = config_cls.from_recipe_name(plan.float8)
+    prefixes = tuple(f"{p}." for p in block_paths(plan, model))
+    converted = []
+
+    def in_blocks(module: nn.Module, fqn: str) -> bool:
+        ok = isinstance(module, nn.Linear) and fqn.startswith(prefixes) and \
+            module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    convert(model, config=config, module_filter_fn=in_blocks)
+    log.info("float8 (%s): %d Linears", plan.float8, len(converted))
+    return len(converted)
