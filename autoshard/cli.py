@@ -634,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
                         stream=sys.stderr)
+    # an installed torchao that transformers imports logs its unloadable CUDA kernels (and torch its pytree
+    # registrations) on every command: noise for a CLI whose errors are one line
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     if getattr(args, "no_cache", False):
         os.environ["AUTOSHARD_NO_CACHE"] = "1"  # read by autoshard.capture.disk_cache
     from autoshard.progress import Progress

@@ -28,7 +28,8 @@ def context_for(plan: Plan, cluster, graph: OpGraph) -> PlanContext:
     return PlanContext(mesh=plan.mesh.folded_cp(), cluster=cluster, micro_batch=plan.micro_batch,
                        num_microbatches=plan.num_microbatches, precision=default_precision(cluster),
                        recompute=plan.recompute, seq=graph.seq_len, cp=cp,
-                       cp_kv_fraction=kv_head_fraction(graph), ep=plan.ep)
+                       cp_kv_fraction=kv_head_fraction(graph), ep=plan.ep, compile=plan.compile,
+                       float8=plan.float8)
 
 
 def priced_graph(plan: Plan, graph: OpGraph) -> OpGraph:

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.memory import Precision
 from autoshard.plans.plan import Plan
-from autoshard.runtime.compile import check_float8_plan, compile_blocks, convert_float8
+from autoshard.runtime.compile import check_compile_plan, check_float8_plan, compile_blocks, convert_float8
 from autoshard.runtime.context_parallel import apply_context_parallel
 from autoshard.runtime.data_parallel import (
     apply_operator_splitting,
@@ -74,6 +74,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     """
     precision = precision or precision_for_device(mesh.device_type)
     register_dtensor_rules()
+    check_compile_plan(plan)
     check_float8_plan(plan, mesh.device_type)
     convert_float8(model, plan)  # 0: torchao's Float8Linear for the block Linears, before anything else (compile.py)
     specs = module_specs(plan, graph, model)

@@ -25,7 +25,7 @@ from autoshard.errors import ConfigurationError
 from autoshard.plans.plan import Plan
 from autoshard.runtime.recompute import block_paths
 
-__all__ = ["compile_blocks", "convert_float8", "check_float8_plan"]
+__all__ = ["compile_blocks", "convert_float8", "check_float8_plan", "check_compile_plan"]
 
 log = logging.getLogger(__name__)
 _ALIGN = 16  # torch._scaled_mm's alignment of both dims (cost_models/float8.py)
@@ -40,6 +40,23 @@ def compile_blocks(model: nn.Module, plan: Plan) -> int:
         model.get_submodule(path).compile()
     log.info("compiled %d blocks", len(paths))
     return len(paths)
+
+
+def check_compile_plan(plan: Plan) -> None:
+    """Refuse, before the model is touched, compiled blocks on DTensors: with tensor-parallel axes, and in
+    pipeline stages of more than one rank (SPMD stages). torch 2.13's AOTAutograd regenerates a block output
+    that aliases another tensor with `as_strided`, which DTensor does not implement ("as_strided not supported
+    with DTensor", seen on every 1D case of tests/distributed/test_runtime_families.py)."""
+    if not plan.compile:
+        return
+    pp = plan.pipeline.degree
+    if plan.mesh.tp_axes or (pp > 1 and plan.mesh.size // pp > 1):
+        where = f"tensor-parallel axes {', '.join(plan.mesh.tp_axes)}" if plan.mesh.tp_axes else \
+            "pipeline stages of more than one rank"
+        raise ConfigurationError(
+            f"the plan compiles its blocks with {where}, where the blocks run on DTensors, whose views "
+            "AOTAutograd cannot yet regenerate (as_strided); re-plan with --compile off, or the runtime's "
+            "planner (autoshard plan) which compiles only plain-tensor plans", params=("compile",))
 
 
 def check_float8_plan(plan: Plan, device_type: str) -> None:

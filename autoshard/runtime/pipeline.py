@@ -55,7 +55,7 @@ from autoshard.plans.contract import schedule_blocker
 from autoshard.plans.layouts import SEQ, MeshSpec
 from autoshard.plans.plan import Plan
 from autoshard.runtime.apply import _statistics_parallel_norms, materializes_scores
-from autoshard.runtime.compile import check_float8_plan, compile_blocks, convert_float8
+from autoshard.runtime.compile import check_compile_plan, check_float8_plan, compile_blocks, convert_float8
 from autoshard.runtime.data_parallel import (
     apply_operator_splitting,
     apply_plain_data_parallel,
@@ -361,6 +361,7 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
                                  "autoparallel(..., loss_fn=fn) with fn(model_output, target) -> scalar")
     example = _single_input(example_inputs)
     name = _check_schedule(plan)  # every user error before the first collective
+    check_compile_plan(plan)
     check_float8_plan(plan, device_type)
     convert_float8(model, plan)  # before the model is cut (compile.py)
     family = family_of(model, example)

@@ -11,6 +11,8 @@ with 2, 4 or 8 blocks, and the zoo's GQAGPT and MLP; plans are hand-made (`dist_
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import pytest
@@ -31,6 +33,8 @@ CASES: dict[str, tuple[str, int, dict, str, int, int, dict]] = {
     # pp=4: one chunk per rank (4 blocks), two per rank (8 blocks); 4 micro-batches of 1
     "llama-pp4-gpipe": ("llama", 4, {"pp": 4}, "replicate", 4, 1, {"schedule": "gpipe"}),
     "llama-pp4-1f1b": ("llama", 4, {"pp": 4}, "replicate", 4, 1, {"schedule": "1f1b"}),
+    # one-rank stages with compiled blocks (runtime/compile.py; stages of several ranks run on DTensors: refused)
+    "llama-pp4-1f1b-compiled": ("llama", 4, {"pp": 4}, "replicate", 4, 1, {"schedule": "1f1b", "compile": True}),
     "gpt2-pp4-interleaved-1f1b": ("gpt2", 8, {"pp": 4}, "replicate", 4, 1,
                                   {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
     "llama-pp4-looped-bfs": ("llama", 8, {"pp": 4}, "replicate", 4, 1,
@@ -89,8 +93,10 @@ def _graph(model: str, layers: int):
 def _case(case_id: str, model, layers, degrees, family, global_batch, micro_batch, options) -> dict:
     options = dict(options)
     extra = {k: options.pop(k) for k in ("steps", "errors") if k in options}
+    compiled = options.pop("compile", False)
     graph = _graph(model, layers)
     plan = make_pipeline_plan(graph, degrees, family, global_batch=global_batch, micro_batch=micro_batch, **options)
+    plan = dataclasses.replace(plan, compile=compiled)
     return {"id": case_id, "model": model, "layers": layers, "batch": global_batch, "graph": graph, "plan": plan,
             "adamw": True, **extra}
 

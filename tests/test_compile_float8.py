@@ -1,0 +1,157 @@
+"""Compiled blocks and float8 Linears: their pricing (cost_models/float8.py, host.py), the planner's choice
+(planner/search.py `Lowering`), the plan field, and what the runtime refuses (runtime/compile.py)."""
+
+import dataclasses
+import math
+
+import pytest
+
+from autoshard.api import estimate_config, load_graph
+from autoshard.cost_models.compute import gemm_time_s
+from autoshard.cost_models.float8 import cast_bytes_per_elem, float8_linear
+from autoshard.cost_models.host import COMPILED_GRAPH_US, COMPILED_US_PER_KERNEL
+from autoshard.cost_models.prediction import predicted_step_comm
+from autoshard.errors import ConfigurationError
+from autoshard.hardware_profiles import ClusterSpec
+from autoshard.hardware_profiles.profiles import load_gpu
+from autoshard.plans.plan import Plan
+
+TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
+# the Llama of ../shared/references/gpu_h200.md's hand-written loop (gpu_check's llama1b-none-mb1x8)
+LLAMA_1B = "llama:layers=16,hidden=2048,heads=32,kv_heads=8,ffn=8192,vocab=128256,seq=4096,rope_theta=500000"
+
+
+def _step_s(model, cluster, **kw) -> float:
+    plan, _ = estimate_config(model, cluster, **kw)
+    return plan.prediction.iteration_time_s
+
+
+def test_compiled_blocks_predict_the_h200_hand_loops_measured_speedup():
+    # measured on one H200 (references/gpu_h200.md): the torchtitan-style loop took 0.91 s eager and 0.76 s with
+    # every block compiled (0.835); nothing in the pricing is fitted to it
+    kw = dict(dp=1, micro_batch=1, global_batch=8)
+    eager = _step_s(LLAMA_1B, "1x1xH200-141GB", **kw)
+    compiled = _step_s(LLAMA_1B, "1x1xH200-141GB", compile=True, **kw)
+    assert compiled / eager == pytest.approx(0.76 / 0.91, abs=0.03)
+
+
+def test_a_compiled_block_costs_its_host_a_graph_call_per_phase_and_a_launch_per_kernel():
+    graph = load_graph(TINY_LLAMA)
+    cluster = ClusterSpec.parse("1x1xH200-141GB")
+    host_free = dataclasses.replace(cluster.gpu, fsdp_us_per_module=0.0)
+    cluster = dataclasses.replace(cluster, gpu=host_free)
+    from autoshard.planner.estimate import HandConfig, estimate
+
+    _, ev = estimate(graph, cluster, HandConfig(dp=1, micro_batch=1, global_batch=1, compile=True))
+    block_ops = [op for op in graph.ops if op.layer is not None and op.name in ev.op_costs]
+    kernels = sum(1 for op in block_ops if op.kernels)
+    blocks = len({op.layer for op in block_ops})
+    host_fwd = sum(ev.op_costs[op.name].host_fwd_s for op in block_ops)
+    assert host_fwd == pytest.approx(kernels * COMPILED_US_PER_KERNEL * 1e-6)
+    eager_fwd = sum(op.dispatches for op in block_ops) * cluster.gpu.host_us_per_op * 1e-6
+    assert host_fwd + blocks * COMPILED_GRAPH_US * 1e-6 < eager_fwd / 3
+
+
+def test_a_float8_gemm_runs_at_the_profiles_fp8_speedup_where_it_is_compute_bound():
+    h100 = load_gpu("H100-80GB")
+    bf16 = gemm_time_s(8192, 8192, 8192, h100) - h100.kernel_launch_us * 1e-6
+    fp8 = gemm_time_s(8192, 8192, 8192, h100, float8=True) - h100.kernel_launch_us * 1e-6
+    assert bf16 / fp8 == pytest.approx(h100.fp8_gemm_speedup)
+    with pytest.raises(ValueError, match="no float8 tensor cores"):
+        gemm_time_s(8192, 8192, 8192, load_gpu("A100-80GB"), float8=True)
+
+
+def test_float8_covers_the_block_linears_and_leaves_the_head_in_16_bits():
+    graph = load_graph(TINY_LLAMA)
+    linears = [op for op in graph.ops if op.kind.value == "linear"]
+    converted = [op for op in linears if float8_linear(op)]
+    assert converted and all(op.layer is not None for op in converted)
+    assert any(op.layer is None for op in linears)  # the head
+    assert len(converted) == sum(1 for op in linears if op.layer is not None)
+
+
+def test_tensorwise_float8_halves_the_zero3_weight_gathers_and_rowwise_does_not():
+    kw = dict(dp=8, zero=3, micro_batch=1, global_batch=8, compile=True)
+    plans = {r: estimate_config(TINY_LLAMA, "1x8xH100-80GB", float8=r, **kw)[0] for r in ("", "tensorwise", "rowwise")}
+    graph, cluster = load_graph(TINY_LLAMA), ClusterSpec.parse("1x8xH100-80GB")
+    gathers = {r: predicted_step_comm(p, graph, cluster)["all_gather"] for r, p in plans.items()}
+    f8_numel = sum(p.numel for op in graph.ops if float8_linear(op) for p in op.params if p.owner and len(p.shape) == 2)
+    assert gathers["rowwise"] == gathers[""]
+    # ZeRO-3 gathers every weight forward and backward; a float8 weight's in 1 byte instead of bf16's 2
+    assert gathers[""] - gathers["tensorwise"] == pytest.approx(2 * f8_numel * (2 - 1))
+
+
+def test_eager_float8_casts_move_five_times_the_bytes_of_compiled_ones():
+    for recipe in ("tensorwise", "rowwise"):
+        assert cast_bytes_per_elem(recipe, "fwd", "x", compiled=False) == 25
+        assert cast_bytes_per_elem(recipe, "fwd", "x", compiled=True) <= 5
+    cluster = "1x1xH100-80GB"
+    kw = dict(dp=1, micro_batch=1, global_batch=2)
+    model = "llama:layers=2,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=32000,seq=4096"
+    assert _step_s(model, cluster, float8="tensorwise", **kw) > _step_s(model, cluster, float8="tensorwise",
+                                                                        compile=True, **kw)
+
+
+def test_float8_is_refused_on_gpus_without_fp8_tensor_cores():
+    with pytest.raises(ConfigurationError, match="A100-80GB has no fp8 tensor cores"):
+        estimate_config(TINY_LLAMA, "1x8xA100-80GB", dp=8, global_batch=8, float8="tensorwise")
+    from autoshard.api import plan
+
+    with pytest.raises(ConfigurationError, match="no fp8 tensor cores"):
+        plan(TINY_LLAMA, "1x2xA100-80GB", global_batch=4, float8="tensorwise")
+
+
+def test_the_planner_compiles_plain_tensor_plans_on_gpus_and_nothing_on_cpu_ranks():
+    from autoshard.api import plan
+
+    gpu = plan(TINY_LLAMA, "1x2xH100-80GB", global_batch=4, space="dp,zero")
+    assert gpu.compile and not gpu.mesh.tp_axes
+    assert not plan(TINY_LLAMA, "1x2xcpu", global_batch=4, space="dp,zero").compile
+    tp = plan(TINY_LLAMA, "1x2xH100-80GB", global_batch=2, space="tp1d")
+    assert tp.mesh.tp_axes and not tp.compile  # blocks on DTensors: the runtime refuses to compile them
+    off = plan(TINY_LLAMA, "1x2xH100-80GB", global_batch=4, space="dp,zero", compile=False)
+    assert not off.compile
+
+
+def test_a_float8_plan_has_no_tensor_parallel_axes_and_round_trips_through_json():
+    from autoshard.api import plan
+
+    p = plan(TINY_LLAMA, "1x2xH100-80GB", global_batch=4, float8="tensorwise")
+    assert p.float8 in ("tensorwise", "") and (not p.float8 or not p.mesh.tp_axes)
+    back = Plan.from_json(p.to_json())
+    assert (back.compile, back.float8) == (p.compile, p.float8)
+
+
+def test_plans_written_before_compile_and_float8_load_as_eager_16_bit():
+    p, _ = estimate_config(TINY_LLAMA, "1x2xcpu", dp=2, global_batch=4)
+    d = p.to_json()
+    del d["compile"], d["float8"]
+    back = Plan.from_json(d)
+    assert back.compile is False and back.float8 == ""
+
+
+def test_the_runtime_refuses_compiled_blocks_on_dtensors_before_touching_the_model():
+    from autoshard.runtime.compile import check_compile_plan
+
+    p, _ = estimate_config(TINY_LLAMA, "1x2xcpu", tp=2, dp=1, global_batch=2)
+    with pytest.raises(ConfigurationError, match="tensor-parallel axes tp"):
+        check_compile_plan(dataclasses.replace(p, compile=True))
+    check_compile_plan(p)  # eager: nothing to refuse
+    dp, _ = estimate_config(TINY_LLAMA, "1x2xcpu", dp=2, global_batch=2)
+    check_compile_plan(dataclasses.replace(dp, compile=True))
+
+
+def test_the_runtime_refuses_float8_with_tensor_parallelism_naming_the_fix():
+    from autoshard.runtime.compile import check_float8_plan
+
+    p, _ = estimate_config(TINY_LLAMA, "1x2xcpu", tp=2, dp=1, global_batch=2)
+    with pytest.raises(ConfigurationError, match="re-plan with --float8 none or without tensor parallelism"):
+        check_float8_plan(dataclasses.replace(p, float8="tensorwise"), "cpu")
+
+
+def test_estimate_prices_llama3_70b_fsdp_by_tp_on_256_h100s_in_float8_with_compiled_blocks():
+    kw = dict(tp=8, dp=32, zero=3, micro_batch=1, global_batch=256, seq=8192, recompute="full",
+              sequence_parallel=True)
+    bf16 = _step_s("llama3-70b", "32x8xH100-80GB", compile=True, **kw)
+    fp8 = _step_s("llama3-70b", "32x8xH100-80GB", compile=True, float8="tensorwise", **kw)
+    assert math.isfinite(fp8) and fp8 < bf16
