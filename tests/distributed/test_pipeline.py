@@ -12,7 +12,6 @@ with 2, 4 or 8 blocks, and the zoo's GQAGPT and MLP; plans are hand-made (`dist_
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 
 import pytest
