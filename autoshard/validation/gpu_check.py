@@ -47,6 +47,8 @@ class Run:
     micro_batch: int
     recompute: str = "none"
     reference: bool = False  # the configuration the hand-written loop runs too
+    compile: bool = False  # every block torch.compile'd (against the hand-written loop's compiled time)
+    float8: str = ""  # the block Linears in float8 (needs torchao on the GPU machine)
 
     @property
     def plan_file(self) -> str:
@@ -62,6 +64,10 @@ GPU_RUNS = (
     Run(name="llama1b-none-mb1x8", model=LLAMA_1B, global_batch=8, micro_batch=1, reference=True),
     Run(name="llama1b-selective-mb2x4", model=LLAMA_1B, global_batch=8, micro_batch=2, recompute="selective"),
     Run(name="llama1b-full-mb4x2", model=LLAMA_1B, global_batch=8, micro_batch=4, recompute="full"),
+    # the hand loop's configuration compiled (to step at least as fast as its compiled blocks), and in float8
+    Run(name="llama1b-none-mb1x8-compiled", model=LLAMA_1B, global_batch=8, micro_batch=1, compile=True),
+    Run(name="llama1b-none-mb1x8-compiled-float8", model=LLAMA_1B, global_batch=8, micro_batch=1, compile=True,
+        float8="tensorwise"),
     Run(name="llama3b-none-mb1x4", model=LLAMA_3B, global_batch=4, micro_batch=1),
     Run(name="llama3b-selective-mb2x2", model=LLAMA_3B, global_batch=4, micro_batch=2, recompute="selective"),
     Run(name="llama3b-full-mb4x1", model=LLAMA_3B, global_batch=4, micro_batch=4, recompute="full"),
@@ -89,7 +95,8 @@ def make_plans(runs: tuple[Run, ...], cluster: str, out_dir: Path) -> list[Path]
     paths = []
     for run in runs:
         plan, _ = estimate_config(run.model, cluster, dp=1, micro_batch=run.micro_batch,
-                                  global_batch=run.global_batch, recompute=run.recompute)
+                                  global_batch=run.global_batch, recompute=run.recompute, compile=run.compile,
+                                  float8=run.float8)
         path = out_dir / run.plan_file
         plan.save(path)
         paths.append(path)
@@ -179,7 +186,8 @@ def _reprice(run: Run, profile: dict) -> dict:
 
     try:
         plan, _ = estimate_config(run.model, f"1x1@{profile['file']}", dp=1, micro_batch=run.micro_batch,
-                                  global_batch=run.global_batch, recompute=run.recompute, check_memory=False)
+                                  global_batch=run.global_batch, recompute=run.recompute, compile=run.compile,
+                                  float8=run.float8, check_memory=False)
     except ValueError as exc:
         return {"profiled_error": str(exc)}
     return {"profiled_predicted_s": plan.prediction.iteration_time_s,
