@@ -44,9 +44,11 @@ def compile_blocks(model: nn.Module, plan: Plan) -> int:
 
 def check_compile_plan(plan: Plan) -> None:
     """Refuse, before the model is touched, compiled blocks on DTensors: with tensor-parallel axes, and in
-    pipeline stages of more than one rank (SPMD stages). torch 2.13's AOTAutograd regenerates a block output
-    that aliases another tensor with `as_strided`, which DTensor does not implement ("as_strided not supported
-    with DTensor", seen on every 1D case of tests/distributed/test_runtime_families.py)."""
+    pipeline stages of more than one rank (SPMD stages). There the runtime's redistribution around every
+    module call and its SPMD function mode (dtensor_ext.py) break the block into many small graphs, and torch
+    2.13's AOTAutograd regenerates one such graph's output view of a DTensor with `as_strided`, which DTensor
+    does not implement ("as_strided not supported with DTensor" in dtensor_ext.py's view handler, on every 1D
+    case of tests/distributed/test_runtime_families.py)."""
     if not plan.compile:
         return
     pp = plan.pipeline.degree
