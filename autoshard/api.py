@@ -266,7 +266,10 @@ def autoparallel(model, cluster, *, example_inputs, global_batch: int, plan=None
     ids (B, S)), searches the plan for `global_batch` over `space` (families as in `autoshard plan --space`;
     by default every family the runtime runs without pipeline stages) under `memory_cap` GiB per device,
     logs it and broadcasts it. A given `Plan` or plan file is checked against the model. `loss_fn(output,
-    target)` is needed by pipelined plans (space with pp), which train through `train_step`."""
+    target)` is needed by pipelined plans (space with pp), which train through `train_step`. `compile`: with
+    plan=None, compile the blocks where the runtime can (None: on GPUs; planner/search.py `Lowering`); with a
+    plan, True / False overrides its `compile`. `float8` ("tensorwise", "rowwise"): plan the block Linears in
+    float8 (needs torchao and an H100 / H200)."""
     import functools
     import logging
 
@@ -280,4 +283,5 @@ def autoparallel(model, cluster, *, example_inputs, global_batch: int, plan=None
     elif space is not None or memory_cap is not None:
         logging.getLogger(__name__).info("space / memory_cap steer the planner; ignored because a plan was given")
     return apply_on_ranks(model, cluster, example_inputs=example_inputs, global_batch=global_batch, plan=plan,
-                          loss_fn=loss_fn, graph=graph, timeout_s=timeout_s, make_plan=make)
+                          loss_fn=loss_fn, graph=graph, timeout_s=timeout_s, make_plan=make,
+                          compile=compile if plan is not None else None)

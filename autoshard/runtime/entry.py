@@ -8,6 +8,7 @@ applies the plan (apply.py; pipeline.py for plans with pipeline stages). The pub
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -82,7 +83,7 @@ def _cluster_spec(cluster, num_ranks: int):
 def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_inputs, global_batch: int,
                  plan: Plan | str | os.PathLike | None = None, loss_fn: Callable | None = None,
                  graph: OpGraph | None = None, timeout_s: float | None = None,
-                 make_plan: Callable[..., Plan] | None = None) -> ParallelModule:
+                 make_plan: Callable[..., Plan] | None = None, compile: bool | None = None) -> ParallelModule:
     """Parallelize `model` for this rank of a `cluster` job with `plan`; call on every rank.
 
     A given `Plan` or plan file is checked against the model (rank 0 captures it and compares fingerprints;
@@ -90,7 +91,8 @@ def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_
     inputs, graph=graph)` and broadcasts its plan (`autoshard.autoparallel` passes the planner's). The returned
     module is `model` itself (same parameter names) with `.plan`, `.mesh` and `.shard_inputs(global_inputs)`;
     its outputs are this rank's batch slice as ordinary tensors. `loss_fn(output, target)` is needed by
-    pipelined plans, which train through `train_step`.
+    pipelined plans, which train through `train_step`. `compile`: True / False overrides the plan's `compile`
+    (every repeated block torch.compile'd, runtime/compile.py); None keeps it.
     """
     inputs = positional_inputs(model, example_inputs)
     num_ranks, device_type = resolve_cluster(cluster)
@@ -108,6 +110,9 @@ def autoparallel(model: nn.Module, cluster: ClusterSpec | str | int, *, example_
                 check_plan_on_rank0(plan, model, inputs)
             else:
                 check_fingerprint(plan, graph)
+        if compile is not None and compile != plan.compile:  # the prediction was priced the other way
+            log.info("compile=%s overrides the plan's compile=%s", compile, plan.compile)
+            plan = dataclasses.replace(plan, compile=compile)
         _check_job(plan, num_ranks, global_batch)
         if device_type == "cuda":
             model.to(torch.device("cuda", torch.cuda.current_device()))
