@@ -174,6 +174,9 @@ def _cmd_plan(args) -> int:
         compile={"auto": None, "on": True, "off": False}[args.compile], float8=args.float8 or "")
     args.progress.close()
     plan = dc_replace(plan, baselines=tuple(baselines.values()))
+    from autoshard.planner.offers import float8_offers
+
+    offers = float8_offers(plan, graph, cluster)
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
             "mesh": plan.mesh.to_json(), "ep": plan.ep, "micro_batch": plan.micro_batch,
@@ -191,6 +194,7 @@ def _cmd_plan(args) -> int:
                        "pruned_by_memory": result.pruned_memory, "optimal": result.optimal,
                        "solver": plan.solver},
             "context_parallel": result.context_parallel, "expert_parallel": result.expert_parallel,
+            "float8_offer": offers,
             "plan_file_json": plan.to_json()}  # `explain` reads this document as it reads a plan file
     if args.plot:  # the picture first: a plot that fails leaves no plan file behind
         from autoshard.plotting import plot_plan
@@ -200,8 +204,17 @@ def _cmd_plan(args) -> int:
     if args.output:
         plan.save(args.output)
         data["plan_file"] = args.output
+    args.float8_offers = offers
     _emit(args, data, "\n".join(_plan_text(plan, result, baselines, cluster, block_table(plan), args)))
     return 0
+
+
+def _offer_text(plan, offers: dict[str, float]) -> list[str]:
+    if not offers:
+        return []
+    base = plan.prediction.tokens_per_s
+    parts = [f"{recipe} {tps:,.0f} tokens/s ({100 * (tps / base - 1):+.1f}%)" for recipe, tps in offers.items()]
+    return ["float8 offer     " + ", ".join(parts) + "; plan with --float8 RECIPE to use it (changes numerics)"]
 
 
 def _lowering_label(plan) -> str:
@@ -224,6 +237,7 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
              + (", layered gradient accumulation" if pipe.layered else ""),
              f"attention        {_attention_kernel(plan)}",
              f"lowering         {_lowering_label(plan)}",
+             *_offer_text(plan, getattr(args, "float8_offers", {})),
              *_prediction_text(pred, cluster, plan), "", "strategies per operator:", *("  " + t for t in table), "",
              f"{'':14s}{'tokens/s':>14s}{'MFU':>8s}{'GiB/GPU':>9s}  configuration",
              f"{'plan':14s}{pred.tokens_per_s:14,.0f}{pred.mfu * 100:7.1f}%{pred.memory.total_bytes / 2**30:9.1f}"]

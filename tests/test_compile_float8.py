@@ -155,3 +155,19 @@ def test_estimate_prices_llama3_70b_fsdp_by_tp_on_256_h100s_in_float8_with_compi
     bf16 = _step_s("llama3-70b", "32x8xH100-80GB", compile=True, **kw)
     fp8 = _step_s("llama3-70b", "32x8xH100-80GB", compile=True, float8="tensorwise", **kw)
     assert math.isfinite(fp8) and fp8 < bf16
+
+
+def test_the_planner_offers_float8_on_fp8_gpus_for_plans_the_runtime_runs_in_float8_and_nowhere_else():
+    from autoshard.planner.offers import float8_offers
+
+    graph = load_graph(TINY_LLAMA)
+    h100, a100 = ClusterSpec.parse("1x2xH100-80GB"), ClusterSpec.parse("1x2xA100-80GB")
+    dp, _ = estimate_config(TINY_LLAMA, h100, dp=2, global_batch=4, compile=True)
+    offers = float8_offers(dp, graph, h100)
+    assert set(offers) == {"tensorwise", "rowwise"}
+    priced, _ = estimate_config(TINY_LLAMA, h100, dp=2, global_batch=4, compile=True, float8="tensorwise")
+    assert offers["tensorwise"] == pytest.approx(priced.prediction.tokens_per_s)
+    assert float8_offers(estimate_config(TINY_LLAMA, a100, dp=2, global_batch=4)[0], graph, a100) == {}
+    tp, _ = estimate_config(TINY_LLAMA, h100, tp=2, dp=1, global_batch=4)
+    assert float8_offers(tp, graph, h100) == {}
+    assert float8_offers(priced, graph, h100) == {}
