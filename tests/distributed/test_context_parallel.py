@@ -33,6 +33,7 @@ CASES = {
     "llama-cp2": (2, "llama", 1, 2, {}),
     "llama-cp2-full-recompute": (2, "llama", 1, 2, {"recompute": "full"}),
     "gpt2-cp2": (2, "gpt2", 1, 2, {}),
+    "llama-cp2-compiled": (2, "llama", 1, 2, {"compile": True}),  # compiled blocks around the K/V gathers
     "qwen2-cp2-zero3": (2, "qwen2", 1, 2, {"zero": 3}),
     "llama-dp2-cp2": (4, "llama", 2, 2, {}),
     "llama-cp2-planner": (2, "llama", 1, 2, {"planner": True}),
@@ -73,7 +74,7 @@ def _world_results(world: int) -> dict[str, dict]:
             continue
         local = _graph(model, SEQ // cp)
         options = dict(options)
-        recompute = options.pop("recompute", "none")
+        recompute, compiled = options.pop("recompute", "none"), options.pop("compile", False)
         if "tp" in options:
             from autoshard.planner.estimate import HandConfig, estimate
 
@@ -85,6 +86,7 @@ def _world_results(world: int) -> dict[str, dict]:
             plan = make_cp_plan(_graph(model, SEQ), local, dp=dp, cp=cp, family="replicate", global_batch=BATCH,
                                 **options)
             plan = replace(plan, recompute=recompute)
+        plan = replace(plan, compile=compiled)
         cases.append({"id": case_id, "model": model, "batch": BATCH, "plan": plan, "graph": local,
                       "predicted_param_bytes": predicted_param_bytes(plan, local, cluster),
                       "predicted_comm": predicted_step_comm(plan, local, cluster)})

@@ -36,6 +36,7 @@ BATCH = 4
 # (planning.make_plan with ep, as planner/outer.py best_plan calls it), not a family
 CASES = {
     "mixtral-ep2": (2, 2, 2, {}),
+    "mixtral-ep2-compiled": (2, 2, 2, {"compile": True}),  # compiled blocks around the all-to-alls
     "mixtral-ep4": (4, 4, 4, {}),
     "mixtral-dp4-ep2-zero3": (4, 4, 2, {"zero": 3}),
     "mixtral-dp4-ep2-full-recompute": (4, 4, 2, {"recompute": "full"}),
@@ -64,7 +65,7 @@ def _world_results(world: int) -> dict[str, dict]:
         if w != world:
             continue
         options = dict(options)
-        recompute = options.pop("recompute", "none")
+        recompute, compiled = options.pop("recompute", "none"), options.pop("compile", False)
         if "tp" in options:
             from autoshard.planner.estimate import HandConfig, estimate
 
@@ -78,6 +79,7 @@ def _world_results(world: int) -> dict[str, dict]:
             assert plan.ep == ep
         else:
             plan = replace(make_ep_plan(graph, dp=dp, ep=ep, global_batch=BATCH, **options), recompute=recompute)
+        plan = replace(plan, compile=compiled)
         cases.append({"id": case_id, "model": "mixtral", "batch": BATCH, "plan": plan, "graph": graph,
                       "predicted_param_bytes": predicted_param_bytes(plan, graph, cluster),
                       "predicted_comm": predicted_step_comm(plan, graph, cluster)})
