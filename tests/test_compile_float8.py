@@ -171,3 +171,18 @@ def test_the_planner_offers_float8_on_fp8_gpus_for_plans_the_runtime_runs_in_flo
     tp, _ = estimate_config(TINY_LLAMA, h100, tp=2, dp=1, global_batch=4)
     assert float8_offers(tp, graph, h100) == {}
     assert float8_offers(priced, graph, h100) == {}
+
+
+def test_gpu_check_judges_a_float8_plans_loss_against_its_16_bit_twin():
+    from autoshard.validation.gpu_check import FLOAT8_LOSS_RTOL, Run, _compare_float8_losses
+
+    runs = (Run(name="bf16", model="m", global_batch=8, micro_batch=1, compile=True),
+            Run(name="fp8", model="m", global_batch=8, micro_batch=1, compile=True, float8="tensorwise"),
+            Run(name="fp8-far", model="m", global_batch=8, micro_batch=2, compile=True, float8="tensorwise"),
+            Run(name="bf16-mb2", model="m", global_batch=8, micro_batch=2, compile=True))
+    rows = [{"ok": True, "losses": [10.0, 9.0]}, {"ok": True, "losses": [10.05, 9.09]},
+            {"ok": True, "losses": [10.0, 9.9]}, {"ok": True, "losses": [10.0, 9.0]}]
+    _compare_float8_losses(rows, runs)
+    assert rows[1]["float8_loss_diff"] == pytest.approx(0.01) and rows[1]["float8_loss_ok"]
+    assert rows[2]["float8_loss_diff"] == pytest.approx(0.1) and not rows[2]["float8_loss_ok"]
+    assert 0.01 < FLOAT8_LOSS_RTOL < 0.1 and "float8_loss_diff" not in rows[0]

@@ -82,6 +82,9 @@ class MeasuredPlan:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     predicted_memory_bytes: float | None = None
+    # the training loss of every step, warm-up included (the mean over the job's ranks): a float8 plan's against
+    # its 16-bit twin's (validation/gpu_check.py)
+    losses: tuple[float, ...] = ()
 
     @property
     def error_pct(self) -> float | None:
@@ -213,15 +216,16 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
     pm = autoparallel(loaded.module, spec, example_inputs=example, global_batch=plan.global_batch, plan=plan,
                       loss_fn=training_loss)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-    step_t, fb_t, opt_t = [], [], []
+    step_t, fb_t, opt_t, losses = [], [], [], []
     for i in range(warmup + steps):
         inputs, target = pm.shard_inputs(synthetic_batch(loaded, plan.global_batch, i, device))
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
-        pm.train_step((inputs,), target)
+        loss = pm.train_step((inputs,), target)
         _sync(device)
         t1 = time.perf_counter()
+        losses.append(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
@@ -244,4 +248,5 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
                         predicted_s=pred.iteration_time_s if pred else None,
                         predicted_breakdown_s=pred.time.seconds() if pred else None, routing_imbalance=imbalance,
                         peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
-                        predicted_memory_bytes=pred.memory.total_bytes if pred else None)
+                        predicted_memory_bytes=pred.memory.total_bytes if pred else None,
+                        losses=tuple(float(x) for x in losses))  # read after timing: .item() syncs

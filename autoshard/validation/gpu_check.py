@@ -156,7 +156,8 @@ def _measure(run: Run, plan_path: Path, cluster: str | None, steps: int, warmup:
     row |= {"ok": True, "measured_s": measured, "iqr_s": report["step"]["iqr_s"], "predicted_s": predicted,
             "time_error_pct": (predicted - measured) / measured * 100,
             "predicted_breakdown_s": report["predicted_breakdown_s"],
-            "train_step_s": report["train_step"]["median_s"], "optimizer_s": report["optimizer"]["median_s"]}
+            "train_step_s": report["train_step"]["median_s"], "optimizer_s": report["optimizer"]["median_s"],
+            "losses": report.get("losses", [])}
     if report.get("peak_reserved_bytes"):
         pred_mem, reserved = report["predicted_memory_bytes"], report["peak_reserved_bytes"]
         row |= {"predicted_memory_gib": pred_mem / gib, "peak_reserved_gib": reserved / gib,
@@ -243,6 +244,7 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
         row |= _reprice(run, report["profile"])
         if row.get("ok") and "profiled_predicted_s" in row:
             row["profiled_time_error_pct"] = (row["profiled_predicted_s"] - row["measured_s"]) / row["measured_s"] * 100
+    _compare_float8_losses(rows, runs)
     report["plans"] = rows
     reference = next((r for r in runs if r.reference), None)
     report["reference"] = []
@@ -265,6 +267,25 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
     return report
 
 
+# A float8 plan's loss against its 16-bit twin's, step by step (same model, seed and synthetic batches): e4m3
+# operands keep 3 mantissa bits, and on a randomly initialized model the loss barely moves over a few steps; the
+# bound is the CPU test's (tests/distributed/test_float8_runtime.py)
+FLOAT8_LOSS_RTOL = 0.02
+
+
+def _compare_float8_losses(rows: list[dict], runs: tuple[Run, ...]) -> None:
+    """Add `float8_loss_diff` (the largest relative difference over the steps) and `float8_loss_ok` to every
+    float8 row whose 16-bit twin (the same run without float8) ran."""
+    by_config = {(r.model, r.global_batch, r.micro_batch, r.recompute, r.compile): row
+                 for r, row in zip(runs, rows, strict=True) if not r.float8}
+    for run, row in zip(runs, rows, strict=True):
+        twin = by_config.get((run.model, run.global_batch, run.micro_batch, run.recompute, run.compile))
+        if not run.float8 or not row.get("losses") or twin is None or not twin.get("losses"):
+            continue
+        diff = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], twin["losses"], strict=False))
+        row |= {"float8_loss_diff": diff, "float8_loss_ok": diff <= FLOAT8_LOSS_RTOL}
+
+
 def _row_line(row: dict) -> str:
     if not row.get("ok"):
         return f"{row['run']}: FAILED {row.get('error', '')[-300:]}"
@@ -273,6 +294,9 @@ def _row_line(row: dict) -> str:
     if "peak_reserved_gib" in row:
         line += (f"; memory predicted {row['predicted_memory_gib']:.2f} GiB, reserved {row['peak_reserved_gib']:.2f}"
                  f" ({row['memory_error_pct']:+.1f}%), allocated {row['peak_allocated_gib']:.2f}")
+    if "float8_loss_diff" in row:
+        line += (f"; loss within {row['float8_loss_diff'] * 100:.2f}% of its 16-bit twin's "
+                 f"({'ok' if row['float8_loss_ok'] else 'ABOVE'} the {FLOAT8_LOSS_RTOL:.0%} bound)")
     return line
 
 
