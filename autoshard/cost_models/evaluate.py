@@ -41,6 +41,7 @@ from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
 from autoshard.cost_models.compute import memory_bound_time_s
 from autoshard.cost_models.context import PlanContext
+from autoshard.cost_models.float8 import float8_linear
 from autoshard.cost_models.host import compiled_host_s, optimizer_host_s, separate_host
 from autoshard.cost_models.memory import (
     OPTIMIZER_PASSES,
@@ -229,10 +230,16 @@ def _template_costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanCont
         edges[(e.src, e.dst, e.index)] = edge_cost(
             e.meta, assign[e.src].output, d_st.inputs[e.index],
             grad_partial_axes(d_st) if e.index == 0 else frozenset(), ctx,
-            regather=d_st.save_sharded_input and e.index == 0, **e.shares)
+            regather=d_st.save_sharded_input and e.index == 0, **e.shares,
+            gather_bytes_per_elem=_float8_gather(graph.op(e.dst), ctx))
     outs = {name: edge_cost(graph.op(name).output_meta, assign[name].output, sink_layout(ctx), frozenset(), ctx)
             for name in tg.outputs}
     return op_costs, edges, outs
+
+
+def _float8_gather(consumer, ctx: PlanContext) -> float | None:
+    """1 byte per element where a tensorwise float8 Linear gathers its input (opcost.edge_cost), else None."""
+    return 1.0 if ctx.float8 == "tensorwise" and float8_linear(consumer) else None
 
 
 def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> list[_Stage]:

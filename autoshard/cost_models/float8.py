@@ -41,13 +41,17 @@ __all__ = ["FLOAT8_RECIPES", "float8_linear", "cast_bytes_per_elem", "cast_kerne
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 _ALIGN = 16  # torch._scaled_mm needs both dims of each float8 operand divisible by 16
 
-# Bytes moved per element of each operand, forward (X, W) and backward (dY; X and W cast again), compiled:
+# Bytes moved per element of each operand, forward (X, W) and backward (dY; X and W again), compiled:
 #   tensorwise  amax (read 2) + scale-and-cast (read 2, write 1) = 5 per cast; dY's transposed copy for dW
-#               (read 1, write 1) = 2 more
+#               (read 1, write 1) = 2 more. Backward reuses the forward's float8 X and W, transposed (read 1,
+#               write 1 = 2): compiled, the partitioner saves the float8 casts rather than recomputing them
+#               (torchao Float8LinearConfig: the float8 weight is kept for backward unless
+#               `force_recompute_fp8_weight_in_bwd`), and one tensor-wide scale serves both layouts
 #   rowwise     row-wise cast (read 2, write 1) = 3; column-wise cast (amax read 2 + cast read 2 write 1) = 5
-#               forward: X rows 3, W rows 3; backward: dY rows 3 + columns 5, W columns 5, X columns 5
+#               forward: X rows 3, W rows 3; backward: dY rows 3 + columns 5, W columns 5, X columns 5 (a
+#               row-scaled cast cannot serve the other layout: every column-wise cast starts from 16 bits)
 _COMPILED = {
-    "tensorwise": {"fwd": {"x": 5, "w": 5}, "bwd": {"g": 7, "x": 5, "w": 5}},
+    "tensorwise": {"fwd": {"x": 5, "w": 5}, "bwd": {"g": 7, "x": 2, "w": 2}},
     "rowwise": {"fwd": {"x": 3, "w": 3}, "bwd": {"g": 8, "x": 5, "w": 5}},
 }
 # Eager: abs (read 2, write 2), amax (read 2), multiply by the fp32 scale (read 2, write 4), clamp (read 4,
@@ -83,8 +87,8 @@ def cast_bytes_per_elem(recipe: str, phase: str, operand: str, *, compiled: bool
 
 
 def cast_kernels(recipe: str, phase: str, *, compiled: bool) -> int:
-    """Kernels the casts of one float8 Linear launch in `phase`: compiled, two per tensorwise cast (amax, then
-    cast) and one or two per rowwise one; eager, `_EAGER_CAST_KERNELS` per cast."""
+    """Kernels the casts of one float8 Linear launch in `phase`: compiled, two per cast (amax then cast, or a
+    row-wise cast and a transposed copy); eager, `_EAGER_CAST_KERNELS` per cast."""
     casts = sum(_CASTS[recipe][phase].values())
     if not compiled:
         return casts * _EAGER_CAST_KERNELS

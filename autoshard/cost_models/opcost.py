@@ -694,7 +694,7 @@ def _context_parallel_attention(op: Op, st: OpStrategy, ctx: PlanContext, fwd: f
 # -- edges -------------------------------------------------------------------------------------------------
 def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozenset[str],
               ctx: PlanContext, *, regather: bool = False, share: float = 1.0,
-              grad_share: float | None = None) -> EdgeCost:
+              grad_share: float | None = None, gather_bytes_per_elem: float | None = None) -> EdgeCost:
     """Redistribute a tensor from its producer's layout `src` to its consumer's `dst`, and its gradient back.
     `regather`: the consumer keeps only the shard for backward (sequence parallel, 2D) and gathers it again
     there, so every forward all-gather happens once more in backward.
@@ -710,7 +710,11 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
     When several axes change, each collective moves the tensor as sharded at that moment: DTensor's greedy
     redistribution (`_redistribute.py`) walks the axes innermost first when the tensor is sharded anywhere,
     outermost first otherwise, so a partial output is reduced while still sharded on the other axes and the
-    last gather moves the whole tensor (`_redistribution_steps`)."""
+    last gather moves the whole tensor (`_redistribution_steps`).
+    `gather_bytes_per_elem`: what the forward all-gathers move per element where not the activation dtype's: a
+    float8 Linear under tensorwise scaling gathers its sequence-parallel input already cast to float8 (1 byte;
+    torchao/float8/float8_tensor_parallel.py `Float8ColwiseParallel`, `PrepareFloat8ModuleInput`, which
+    torchtitan's float8 tensor parallelism applies); its gradient comes back in 16 bits."""
     if not meta.batch_dims:  # a tensor without a batch dim is never batch-sharded
         src, dst = _drop_batch(src), _drop_batch(dst)
     full = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch)
@@ -727,6 +731,8 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
     forward: list[tuple[str, float]] = []
     for kind, axis, nbytes in _redistribution_steps({a: src.get(a) for a in axes},
                                                      {a: dst.get(a) for a in axes}, full, batch_on_dp, ctx):
+        if gather_bytes_per_elem is not None and kind == "all_gather":
+            nbytes *= gather_bytes_per_elem / ctx.precision.act_bytes
         t = ctx.redistribute_s(kind, nbytes, (axis,))
         fwd += t
         comm.append((kind, nbytes))
