@@ -81,3 +81,14 @@ def test_full_recompute_stops_before_the_last_matmul_of_a_llama_block_and_the_cl
     skipped = [op for op in blocks if op.name in recompute_stops_before(graph)]
     assert extra == pytest.approx(forward_s(blocks) - forward_s(skipped), rel=1e-6)
     assert forward_s([op for op in skipped if op in down]) > 0
+
+
+def test_a_fused_loss_keeps_fsdps_hooks_and_the_optimizers_per_tensor_host_work_and_megatrons_kernels_drop_them():
+    # llm-foundry swaps the loss kernel but runs FSDP and a torch optimizer: their host costs stay; Megatron's
+    # engine (fused kernels: its own DDP and fused Adam) pays neither
+    kw = dict(dp=1, micro_batch=1, global_batch=1)
+    eager, _ = estimate_config(TINY_LLAMA, "1x1xH200-141GB", **kw)
+    fused_loss, _ = estimate_config(TINY_LLAMA, "1x1xH200-141GB", fused_loss=True, **kw)
+    megatron, _ = estimate_config(TINY_LLAMA, "1x1xH200-141GB", fused_kernels=True, **kw)
+    assert fused_loss.prediction.time.optimizer_s == pytest.approx(eager.prediction.time.optimizer_s)
+    assert megatron.prediction.time.optimizer_s < eager.prediction.time.optimizer_s / 10

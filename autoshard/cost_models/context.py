@@ -121,6 +121,14 @@ class PlanContext:
         return self.fused_pointwise or self.compiled(op)
 
     @property
+    def torch_fsdp_and_optimizer(self) -> bool:
+        """The step runs PyTorch's FSDP (hooks on every module holding parameters) and a torch optimizer stepping
+        tensor by tensor: autoshard's runtime, torchtitan, and engines `estimate` prices that only swap a kernel
+        (llm-foundry's fused loss, on FSDP and Composer's AdamW); not Megatron's engines (their own DDP and fused
+        Adam: fused kernels, overlapped tensor-parallel communication) or DeepSpeed's ZeRO-3 of 2021."""
+        return not (self.fused_pointwise or self.zero_impl != "fsdp2" or self.tp_overlap)
+
+    @property
     def on_dtensors(self) -> bool:
         """The runtime runs the ops on DTensors: with tensor-parallel axes, and in pipeline stages that span
         more than one rank (runtime/pipeline.py applies each stage in SPMD mode)."""

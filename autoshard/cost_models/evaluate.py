@@ -527,8 +527,9 @@ def optimizer_s(st: _Stage, ctx: PlanContext) -> float:
 
 def optimizer_step_host_s(param_tensors: int, ctx: PlanContext) -> float:
     """Host seconds of the AdamW step's per-tensor work over `param_tensors` tensors: torch.optim.AdamW on
-    FSDP2's DTensor parameters (the runtime's; another engine's fused optimizer: 0 on a GPU)."""
-    if separate_host(ctx.gpu) and not ctx.autoshards_engine:
+    FSDP2's DTensor parameters (the runtime's, and any torch optimizer on FSDP: `torch_fsdp_and_optimizer`;
+    another engine's fused optimizer: 0 on a GPU)."""
+    if separate_host(ctx.gpu) and not ctx.torch_fsdp_and_optimizer:
         return 0.0
     return optimizer_host_s(param_tensors, ctx.gpu)
 

@@ -583,7 +583,8 @@ def _host_s(op: Op, ctx: PlanContext, *, recomputed: bool) -> tuple[float, float
         return 0.0, 0.0
     ours = ctx.autoshards_engine  # DTensor and FSDP2 are the runtime's, not another engine's
     f8 = bool(ctx.float8) and float8_linear(op)
-    hooks = hooks_host_s(gpu) / 2 if ours and any(p.owner for p in op.params) else 0.0
+    fsdp = ctx.torch_fsdp_and_optimizer  # FSDP's hooks: the runtime's, torchtitan's, llm-foundry's
+    hooks = hooks_host_s(gpu) / 2 if fsdp and any(p.owner for p in op.params) else 0.0
     if ctx.compiled(op):  # generated kernels launched by the block's compiled graphs (graph calls: evaluate.py)
         kernels = (1 if op.kernels else 0) + \
             (cast_kernels(ctx.float8, "fwd", compiled=True) if f8 else 0)
