@@ -43,9 +43,14 @@ CASES = {
 }
 
 
+# the long suite's: the 4-rank world (CP composed with dp and tp; the 2-rank one covers CP itself) and compiled
+# blocks around CP (compiled blocks are checked in the quick suite by test_runtime_families.py)
+def _long(case_id: str) -> bool:
+    return CASES[case_id][0] == 4 or case_id == "llama-cp2-compiled"
+
+
 def _params(cases):
-    """The 4-rank world (CP composed with dp and tp) runs in the long suite: the 2-rank one covers CP itself."""
-    return [pytest.param(c, marks=pytest.mark.long) if CASES[c][0] == 4 else c for c in cases]
+    return [pytest.param(c, marks=pytest.mark.long) if _long(c) else c for c in cases]
 
 
 @functools.cache
@@ -65,12 +70,16 @@ def _planner_plan(model: str, cluster, cp: int):
     return replace(plan, model=full.model_name, fingerprint=full.fingerprint())
 
 
+def _results(case_id: str) -> list[dict]:
+    return _world_results(CASES[case_id][0], _long(case_id))[case_id]
+
+
 @functools.cache
-def _world_results(world: int) -> dict[str, dict]:
+def _world_results(world: int, long: bool) -> dict[str, dict]:
     cases = []
     cluster = ClusterSpec.parse(f"1x{world}xcpu")
     for case_id, (w, model, dp, cp, options) in CASES.items():
-        if w != world:
+        if w != world or _long(case_id) != long:
             continue
         local = _graph(model, SEQ // cp)
         options = dict(options)
@@ -96,7 +105,7 @@ def _world_results(world: int) -> dict[str, dict]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case_id", _params(CASES))
 def test_context_parallel_loss_gradients_and_adamw_steps_match_single_process(case_id):
-    assert_matches_one_process(case_id, _world_results(CASES[case_id][0])[case_id], ATOL)
+    assert_matches_one_process(case_id, _results(case_id), ATOL)
 
 
 @pytest.mark.timeout(600)
@@ -104,7 +113,7 @@ def test_context_parallel_loss_gradients_and_adamw_steps_match_single_process(ca
 def test_context_parallel_bytes_per_step_equal_the_cost_model(case_id):
     """The keys' and values' all-gather (forward) and reduce-scatter (backward) on the cp group, and the
     gradient reduction over dp x cp, as measured on every rank, within 5% of `predicted_step_comm`."""
-    for rank, r in enumerate(_world_results(CASES[case_id][0])[case_id]):
+    for rank, r in enumerate(_results(case_id)):
         measured = {k: v for k, v in r["comm"].items() if v}
         predicted = {k: v for k, v in r["predicted_comm"].items() if v}
         print(f"{case_id} rank {rank}: measured {measured} predicted {predicted}")

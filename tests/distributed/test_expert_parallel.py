@@ -54,15 +54,28 @@ def _graph(seq: int):
     return capture(build("mixtral"), (x[:, :seq],))
 
 
+# the long suite's: compiled blocks around the all-to-alls (compiled blocks are checked in the quick suite by
+# test_runtime_families.py)
+LONG = {"mixtral-ep2-compiled"}
+
+
+def _params(cases):
+    return [pytest.param(c, marks=pytest.mark.long) if c in LONG else c for c in cases]
+
+
+def _results(case_id: str) -> list[dict]:
+    return _world_results(CASES[case_id][0], case_id in LONG)[case_id]
+
+
 @functools.cache
-def _world_results(world: int) -> dict[str, dict]:
+def _world_results(world: int, long: bool) -> dict[str, dict]:
     from dataclasses import replace
 
     cases = []
     cluster = ClusterSpec.parse(f"1x{world}xcpu")
     graph = _graph(SEQ)
     for case_id, (w, dp, ep, options) in CASES.items():
-        if w != world:
+        if w != world or (case_id in LONG) != long:
             continue
         options = dict(options)
         recompute, compiled = options.pop("recompute", "none"), options.pop("compile", False)
@@ -87,17 +100,17 @@ def _world_results(world: int) -> dict[str, dict]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", _params(CASES))
 def test_expert_parallel_loss_gradients_and_adamw_steps_match_single_process(case_id):
-    assert_matches_one_process(case_id, _world_results(CASES[case_id][0])[case_id], ATOL)
+    assert_matches_one_process(case_id, _results(case_id), ATOL)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", _params(CASES))
 def test_expert_parallel_bytes_per_step_equal_the_cost_model(case_id):
     """The ep group's all-to-alls (averaged over the ranks, see the module docstring) and every other
     collective (on each rank) within 5% of `predicted_step_comm`; parameter bytes per rank as predicted."""
-    results = _world_results(CASES[case_id][0])[case_id]
+    results = _results(case_id)
     mean_all_to_all = sum(r["comm"].get("all_to_all", 0) for r in results) / len(results)
     for rank, r in enumerate(results):
         measured = {k: v for k, v in r["comm"].items() if v}

@@ -110,8 +110,10 @@ def _public_api_wired() -> bool:
 
 # the long suite's (`-m long`, in a world of their own): schedules and compositions another quick case covers too
 # (looped-bfs by the layered cases, interleaving by gpt2-pp4, ZeRO-3 under pipelining by the gathers cases)
+# and compiled one-rank stages (compiled blocks are checked in the quick suite by test_runtime_families.py)
 LONG = {"llama-pp4-looped-bfs", "llama-pp2-dp2-interleaved-1f1b", "gpt2-pp2-dp2-looped-bfs",
-        "llama-pp2-tp2-interleaved-1f1b", "gpt2-pp2-dp2-zero3-interleaved-1f1b", "llama-pp2-dp2-zero3-looped-bfs"}
+        "llama-pp2-tp2-interleaved-1f1b", "gpt2-pp2-dp2-zero3-interleaved-1f1b", "llama-pp2-dp2-zero3-looped-bfs",
+        "llama-pp4-1f1b-compiled"}
 
 
 def _params(cases):
