@@ -208,8 +208,7 @@ def _cmd_plan(args) -> int:
     if args.output:
         plan.save(args.output)
         data["plan_file"] = args.output
-    args.float8_offers = offers
-    _emit(args, data, "\n".join(_plan_text(plan, result, baselines, cluster, block_table(plan), args)))
+    _emit(args, data, "\n".join(_plan_text(plan, result, baselines, cluster, block_table(plan), args, offers)))
     return 0
 
 
@@ -226,7 +225,7 @@ def _lowering_label(plan) -> str:
     return compiled + (f", block Linears in float8 ({plan.float8} scaling)" if plan.float8 else ", 16-bit GEMMs")
 
 
-def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
+def _plan_text(plan, result, baselines, cluster, table, args, offers: dict[str, float]) -> list[str]:
     from autoshard.planner.explain import batch_label, recompute_label
 
     pred = plan.prediction
@@ -241,7 +240,7 @@ def _plan_text(plan, result, baselines, cluster, table, args) -> list[str]:
              + (", layered gradient accumulation" if pipe.layered else ""),
              f"attention        {_attention_kernel(plan)}",
              f"lowering         {_lowering_label(plan)}",
-             *_offer_text(plan, getattr(args, "float8_offers", {})),
+             *_offer_text(plan, offers),
              *_prediction_text(pred, cluster, plan), "", "strategies per operator:", *("  " + t for t in table), "",
              f"{'':14s}{'tokens/s':>14s}{'MFU':>8s}{'GiB/GPU':>9s}  configuration",
              f"{'plan':14s}{pred.tokens_per_s:14,.0f}{pred.mfu * 100:7.1f}%{pred.memory.total_bytes / 2**30:9.1f}"]

@@ -108,7 +108,8 @@ class PlanContext:
         """The step runs on autoshard's runtime (or torchtitan's, the same parts: FSDP2 with DTensor parameters,
         DTensor tensor parallelism, torch.optim.AdamW), not on another engine's kernels that `estimate`
         prices (Megatron's fused kernels, a fused loss, DeepSpeed's ZeRO-3, overlapped tensor-parallel
-        communication, ring attention): whose host costs cost_models/host.py charges."""
+        communication, ring attention): whose DTensor dispatch cost cost_models/host.py charges (FSDP's hooks and
+        the optimizer's host work follow `torch_fsdp_and_optimizer`)."""
         return not (self.fused_pointwise or self.fused_loss or self.zero_impl != "fsdp2" or self.tp_overlap
                     or self.cp_attention == "ring")
 

@@ -33,13 +33,14 @@ GEMMs (torchao's float8 MoE path is a prototype).
 from __future__ import annotations
 
 from autoshard.capture.ir import Op, OpKind
+from autoshard.errors import ConfigurationError
 from autoshard.plans.contract import is_expert_weight
 
-__all__ = ["FLOAT8_RECIPES", "float8_linear", "cast_bytes_per_elem", "cast_kernels", "float8_all_gather",
+__all__ = ["FLOAT8_RECIPES", "FLOAT8_ALIGN", "float8_linear", "cast_bytes_per_elem", "cast_kernels", "float8_all_gather",
            "require_fp8_tensor_cores"]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
-_ALIGN = 16  # torch._scaled_mm needs both dims of each float8 operand divisible by 16
+FLOAT8_ALIGN = 16  # torch._scaled_mm needs both dims of each float8 operand divisible by 16
 
 # Bytes moved per element of each operand, forward (X, W) and backward (dY; X and W again), compiled:
 #   tensorwise  amax (read 2) + scale-and-cast (read 2, write 1) = 5 per cast; dY's transposed copy for dW
@@ -72,7 +73,7 @@ def float8_linear(op: Op) -> bool:
     if any(is_expert_weight(p) for p in op.params):
         return False
     _, n, k = op.gemm
-    return n % _ALIGN == 0 and k % _ALIGN == 0
+    return n % FLOAT8_ALIGN == 0 and k % FLOAT8_ALIGN == 0
 
 
 def cast_bytes_per_elem(recipe: str, phase: str, operand: str, *, compiled: bool) -> float:
@@ -100,8 +101,9 @@ def float8_all_gather(recipe: str) -> bool:
     return recipe == "tensorwise"
 
 
-def require_fp8_tensor_cores(gpu) -> None:
-    """Raise ValueError naming the GPU when it has no fp8 tensor cores (GPUProfile.fp8_gemm_speedup 0)."""
-    if not getattr(gpu, "fp8_gemm_speedup", 0.0):
-        raise ValueError(f"{gpu.name} has no float8 tensor cores (float8 training needs an H100, H200 or newer); "
-                         "drop --float8 or pick such a cluster")
+def require_fp8_tensor_cores(gpu, recipe: str) -> None:
+    """Raise ConfigurationError naming the GPU when float8 `recipe` is asked of a GPU without fp8 tensor cores
+    (GPUProfile.fp8_gemm_speedup 0): `estimate --float8` and the planner's `Lowering` both ask here."""
+    if recipe and not gpu.fp8_gemm_speedup:
+        raise ConfigurationError(f"float8={recipe}: {gpu.name} has no fp8 tensor cores (8-bit floating point needs "
+                                 "an H100, H200 or newer); drop --float8 or pick such a cluster", params=("float8",))

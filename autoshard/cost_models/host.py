@@ -22,10 +22,10 @@ and launches the generated kernels (one per fused region and per extern GEMM or 
     compiled phase   COMPILED_GRAPH_US + kernels x COMPILED_US_PER_KERNEL   per block, forward and backward
 
 Only on GPU profiles: on CPU ranks the host is the device and its costs are device time already (opcost.py).
-The datasheet GPU profiles carry the H200 host's figures (references/gpu_h200.md). DTensor's dispatch, FSDP2's
-hooks and AdamW's per-tensor work on DTensor parameters are the costs of autoshard's runtime (and torchtitan's,
-the same parts): another engine that `estimate` prices (Megatron's fused kernels, DeepSpeed's ZeRO-3) pays only
-the per-op dispatch (`PlanContext.autoshards_engine`).
+The datasheet GPU profiles carry the H200 host's figures (references/gpu_h200.md). DTensor's dispatch is a cost of
+autoshard's runtime (and torchtitan's, the same parts; `PlanContext.autoshards_engine`); FSDP's hooks and the
+optimizer's per-tensor work are paid by every engine that runs PyTorch's FSDP and a torch optimizer (llm-foundry
+too), not by Megatron's engines or DeepSpeed's ZeRO-3 of 2021 (`PlanContext.torch_fsdp_and_optimizer`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from autoshard.cost_models.bounds import block_costs
 from autoshard.cost_models.context import TP_OVERLAP, PlanContext, default_precision
 from autoshard.cost_models.context_parallel import CP_ATTENTION
 from autoshard.cost_models.evaluate import Evaluation, evaluate
-from autoshard.cost_models.float8 import FLOAT8_RECIPES
+from autoshard.cost_models.float8 import FLOAT8_RECIPES, require_fp8_tensor_cores
 from autoshard.cost_models.memory import ALLOCATORS, PRECISIONS
 from autoshard.cost_models.zero_impl import ZERO_IMPLS
 from autoshard.errors import ConfigurationError, require_positive
@@ -138,10 +138,7 @@ def _validate(graph: OpGraph, cluster, cfg: HandConfig) -> None:
         raise ConfigurationError(
             f"tp x pp x dp{cp} = {n}, but cluster {cluster} has {cluster.num_gpus} GPUs; choose degrees whose "
             f"product is {cluster.num_gpus}")
-    if cfg.float8 and not cluster.gpu.fp8_gemm_speedup:
-        raise ConfigurationError(f"float8={cfg.float8}: {cluster.gpu.name} has no fp8 tensor cores (8-bit floating "
-                                 "point needs an H100, H200 or newer); drop --float8 or pick such a cluster",
-                                 params=("float8",))
+    require_fp8_tensor_cores(cluster.gpu, cfg.float8)
     if cfg.cp > 1:
         check_context_parallel(graph, cfg.cp)
     if cfg.ep > 1:

@@ -35,7 +35,7 @@ from autoshard.cost_models.evaluate import (
     pipeline_fill,
     selective_keeps,
 )
-from autoshard.cost_models.float8 import FLOAT8_RECIPES
+from autoshard.cost_models.float8 import FLOAT8_RECIPES, require_fp8_tensor_cores
 from autoshard.cost_models.opcost import op_cost
 from autoshard.cost_models.template import template_for
 from autoshard.errors import InfeasiblePlanError
@@ -188,12 +188,7 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
     every expert-parallel degree the runtime runs on each dp (`contract.expert_parallel_degrees`); `ep`: that
     degree only (meshes whose dp it divides). `lowering`: compile and float8 where the runtime runs them."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
-    if lowering.float8 and not cluster.gpu.fp8_gemm_speedup:
-        from autoshard.errors import ConfigurationError
-
-        raise ConfigurationError(f"float8={lowering.float8}: {cluster.gpu.name} has no fp8 tensor cores (8-bit floating "
-                                 "point needs an H100, H200 or newer); drop --float8 or pick such a cluster",
-                                 params=("float8",))
+    require_fp8_tensor_cores(cluster.gpu, lowering.float8)
     prec = default_precision(cluster)
     recomputes = ["none", "full"] + (["selective"] if _has_scores(graph) or selective_keeps(graph) else [])
     max_zero = 3 if "zero" in space else 0

@@ -21,6 +21,7 @@ import logging
 import torch
 from torch import nn
 
+from autoshard.cost_models.float8 import FLOAT8_ALIGN
 from autoshard.errors import ConfigurationError
 from autoshard.plans.plan import Plan
 from autoshard.runtime.recompute import block_paths
@@ -28,7 +29,6 @@ from autoshard.runtime.recompute import block_paths
 __all__ = ["compile_blocks", "convert_float8", "check_float8_plan", "check_compile_plan"]
 
 log = logging.getLogger(__name__)
-_ALIGN = 16  # torch._scaled_mm's alignment of both dims (cost_models/float8.py)
 
 
 def compile_blocks(model: nn.Module, plan: Plan) -> int:
@@ -104,7 +104,7 @@ def convert_float8(model: nn.Module, plan: Plan) -> int:
 
     def in_blocks(module: nn.Module, fqn: str) -> bool:
         ok = isinstance(module, nn.Linear) and fqn.startswith(prefixes) and \
-            module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+            module.in_features % FLOAT8_ALIGN == 0 and module.out_features % FLOAT8_ALIGN == 0
         if ok:
             converted.append(fqn)
         return ok

@@ -69,6 +69,8 @@ CASES["gpt2-zero3-compiled-full-recompute"] = (2, "gpt2", "replicate", {"dp": 2}
                                                {"zero": 3, "recompute": "full", "compile": True})
 CASES["llama-zero3-compiled-selective-recompute"] = (2, "llama", "replicate", {"dp": 2},
                                                      {"zero": 3, "recompute": "selective", "compile": True})
+# per-op ZeRO levels and operator splitting (OSDP) under compiled blocks: what the planner returns on GPUs
+CASES["llama-mixed-zero-split-compiled"] = (2, "llama", "replicate", {"dp": 2}, {**_MIXED_LLAMA, "compile": True})
 
 
 @functools.cache
