@@ -74,3 +74,49 @@ def test_a_pointwise_rmsnorm_keeps_its_float32_upcast_in_eager_and_only_its_inpu
     tokens_x_hidden = 128 * 256
     assert eager == 6 * tokens_x_hidden + 4 * 128  # float32 upcast (4) + the normalized bf16 value (2) + 1/rms
     assert fused == 2 * tokens_x_hidden
+
+
+def _measured_compiled_bytes(ref: str) -> int:
+    """bf16 bytes autograd keeps with every decoder layer compiled: AOTAutograd's partition as Inductor gets
+    it (backend aot_eager_decomp_partition: the same decompositions and min-cut partitioner, no code generation)."""
+    loaded = load_model(ref, device="cpu", attn="sdpa")
+    model = loaded.module.train().to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager_decomp_partition")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    x = loaded.example_inputs(1, device="cpu")
+    model(*x)  # compiles
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*x)
+    return sum(storages.values())
+
+
+def _priced_compiled_bytes(ref: str) -> float:
+    from autoshard.api import resolve_cluster
+    from autoshard.planner.estimate import HandConfig, estimate
+
+    graph = capture_ref(ref)
+    cfg = HandConfig(tp=1, pp=1, dp=1, cp=1, cp_attention="allgather", micro_batch=1, global_batch=1,
+                     recompute="none", sequence_parallel=False, virtual_stages=1, schedule=None, zero=0,
+                     fused_kernels=False, fused_loss=False, zero_impl="fsdp2", tp_comm_overlap="",
+                     allocator="expandable", precision=None, ep=1, ep_imbalance=None, compile=True, float8="")
+    _, ev = estimate(graph, resolve_cluster("1x1xH100-80GB"), cfg)
+    return sum(ev.op_costs[op.name].saved_bytes for op in graph.ops if op.layer is not None)
+
+
+def test_a_compiled_llama_layer_keeps_what_the_min_cut_partitioner_saves():
+    """The fused SwiGLU region keeps gate and up, not silu(gate); the norms keep their bf16 input, not the
+    float32 upcast (cost_models/opcost.py `_saved_bytes`)."""
+    measured = _measured_compiled_bytes(LLAMA.format(L=3)) - _measured_compiled_bytes(LLAMA.format(L=2))
+    priced = _priced_compiled_bytes(LLAMA.format(L=3)) - _priced_compiled_bytes(LLAMA.format(L=2))
+    tokens_x_hidden = 128 * 256
+    assert priced == pytest.approx(measured, rel=0.02)
+    assert measured < 32 * tokens_x_hidden  # eager keeps ~43 bytes per token and hidden unit here

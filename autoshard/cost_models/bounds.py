@@ -46,11 +46,11 @@ class GraphTotals:
 
 
 def _totals(graph: OpGraph) -> GraphTotals:
-    from autoshard.cost_models.evaluate import selective_keeps  # evaluate sits above the bounds
+    from autoshard.cost_models.evaluate import pointwise_region_inputs, selective_keeps  # evaluate sits above
 
     g = dict.fromkeys(GraphTotals.__dataclass_fields__, 0.0)
     seq = graph.seq_len
-    keeps = selective_keeps(graph)
+    keeps, regions = selective_keeps(graph), pointwise_region_inputs(graph)
     for op in graph.ops:
         if op.kind not in PLANNED_KINDS:
             continue
@@ -70,9 +70,13 @@ def _totals(graph: OpGraph) -> GraphTotals:
             g["io_elems_block"] += io if blk else 0.0
             g["sac_io_block"] += io if repeated else 0.0
         scored = False
-        # the fused kernels' saves (never more than eager's); non-float tensors (1-byte masks) at a quarter
-        # element: never above their bytes
-        for t in (op.saved if op.saved_fused is None else op.saved_fused):
+        # the fused kernels' saves (never more than eager's), less what a compiled block's fused regions
+        # recompute; non-float tensors (1-byte masks) at a quarter element: never above their bytes
+        tensors = list(op.saved if op.saved_fused is None else op.saved_fused)
+        for meta in regions.get(op.name, ()):
+            if meta in tensors:
+                tensors.remove(meta)
+        for t in tensors:
             w = t.numel if t.dtype.startswith(("float", "bfloat")) else t.numel / 4
             g["saved_elems"] += w
             if score_shaped(t, seq):

@@ -131,17 +131,37 @@ def selective_keeps(graph: OpGraph) -> dict[str, bool]:
     return cache["sac"]
 
 
+def pointwise_region_inputs(graph: OpGraph) -> dict[str, tuple[TensorMeta, ...]]:
+    """Block elementwise op -> its inputs made by another elementwise op of the same block (SwiGLU's
+    `act_fn(gate) * up`: the product's first input). In a compiled block such a chain is one fused region,
+    and the backward recomputes those inputs from the region's own instead of saving them (`opcost._saved_bytes`)."""
+    cache = graph_cache(graph)
+    if "region_inputs" not in cache:
+        out = {}
+        for op in graph.ops:
+            if op.layer is None or op.kind is not OpKind.ELEMENTWISE:
+                continue
+            fed = tuple(meta for src, meta in zip(op.inputs, op.input_meta, strict=False)
+                        if graph.op(src).kind is OpKind.ELEMENTWISE and graph.op(src).layer == op.layer)
+            if fed:
+                out[op.name] = fed
+        cache["region_inputs"] = out
+    return cache["region_inputs"]
+
+
 def op_sites(graph: OpGraph) -> dict[str, dict]:
     """`op_cost` keyword arguments per op: the block input it keeps under full recompute, its FSDP unit,
     whether selective recompute keeps its output, its place in a MoE layer, whether full recompute stops
-    before it."""
+    before it, the inputs a compiled block's fused region recomputes."""
     cache = graph_cache(graph)
     if "op_sites" not in cache:
         firsts, units, keeps = block_inputs(graph), dp_units(graph), selective_keeps(graph)
         experts, skipped = expert_roles(graph), recompute_stops_before(graph)
+        regions = pointwise_region_inputs(graph)
         cache["op_sites"] = {op.name: {"block_input": firsts.get(op.name), "unit_numel": units.get(op.name),
                                        "selective_keep": keeps.get(op.name), "expert": experts.get(op.name),
-                                       "not_recomputed": op.name in skipped}
+                                       "not_recomputed": op.name in skipped,
+                                       "region_inputs": regions.get(op.name, ())}
                              for op in graph.ops}
     return cache["op_sites"]
 

@@ -89,6 +89,7 @@ def register_dtensor_rules() -> None:
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
 
 
+@torch.compiler.disable
 def _view_of_contiguous_local(op_call, args, kwargs):
     """`view` / `_unsafe_view` of a DTensor whose global strides say contiguous but whose local tensor is not:
     the local view would fail (or read the wrong elements), so it runs on a contiguous copy of the local
@@ -238,8 +239,12 @@ def _check_attention_dropout(args: tuple, kwargs: dict, mesh) -> None:
 
 
 def _is_inplace(func, kwargs) -> bool:
-    name = getattr(func, "__name__", "")
-    return "out" in kwargs or (name.endswith("_") and not name.endswith("__"))
+    return "out" in kwargs or _inplace_name(getattr(func, "__name__", ""))
+
+
+@functools.cache
+def _inplace_name(name: str) -> bool:
+    return name[-1:] == "_" and name[-2:] != "__"
 
 
 def _with_aligned_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
