@@ -177,6 +177,26 @@ def test_zero1_reduces_and_gathers_once_per_step_and_zero2_reduces_every_micro_b
     assert by_zero[1].dp_iter_fwd_s == pytest.approx(by_zero[2].dp_iter_fwd_s)
 
 
+def test_a_pipeline_stage_holds_zero2_and_zero3_gradients_whole_and_reduces_them_once_per_step(llama):
+    """torch.distributed.pipelining defers FSDP's reduction to the step's end (PlanContext.grads_reduced_per_step;
+    measured in tests/distributed/test_pipeline.py): ZeRO-2 and -3 in a pipeline hold ZeRO-1's states, reduce
+    once per step, and ZeRO-3 gathers for the backward once per step."""
+    cluster = ClusterSpec.parse("2x8xA100-80GB")
+    flat = PlanContext(mesh=MeshSpec.of(dp=8), cluster=cluster, micro_batch=1, num_microbatches=4)
+    piped = PlanContext(mesh=MeshSpec.of(pp=2, dp=8), cluster=cluster, micro_batch=1, num_microbatches=4)
+    op = next(o for o in llama.ops if o.kind.value == "linear")
+    costs = {(name, s.zero): op_cost(op, s, ctx) for name, ctx in (("flat", flat), ("piped", piped))
+             for s in strategies_for(op, flat.mesh, 1) if s.split == 1}
+    for zero in (2, 3):
+        c = costs[("piped", zero)]
+        assert c.grad_bytes == costs[("piped", 1)].grad_bytes > costs[("flat", zero)].grad_bytes
+        assert c.param_bytes == costs[("piped", 1)].param_bytes
+        assert c.dp_iter_s == pytest.approx(costs[("piped", 1)].dp_iter_s)  # the one reduce-scatter
+        assert c.dp_bwd_s == 0 < costs[("flat", zero)].dp_bwd_s
+        assert ("reduce_scatter", c.iter_comm[0][1]) in c.iter_comm and all(k != "reduce_scatter" for k, _ in c.comm)
+    assert costs[("piped", 3)].dp_fwd_s > 0 and costs[("piped", 3)].dp_iter_fwd_s > 0  # per forward; backward once
+
+
 def test_gradients_are_added_only_from_the_second_micro_batch_and_only_to_what_the_runtime_keeps(llama):
     """Autograd assigns a step's first gradient and adds the later ones. ZeRO-0/1 keep the full gradient across
     micro-batches (m - 1 adds of it), ZeRO-2/3 drop it after each reduce-scatter and add only the 1/dp shard;

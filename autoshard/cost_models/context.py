@@ -113,6 +113,17 @@ class PlanContext:
         return not (self.fused_pointwise or self.fused_loss or self.zero_impl != "fsdp2" or self.tp_overlap
                     or self.cp_attention == "ring")
 
+    @property
+    def grads_reduced_per_step(self) -> bool:
+        """ZeRO-2 and -3 reduce the gradients once per step, not per micro-batch, and hold them whole in
+        between: in a pipeline (degree > 1) torch.distributed.pipelining runs each stage's backward with
+        `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` and reduces only in its
+        REDUCE_GRAD action after the last micro-batch (torch/distributed/pipelining/stage.py
+        `backward_maybe_with_nosync`, `perform_reduce_grad`); autoshard's runtime and torchtitan stage FSDP2
+        modules so. Measured on gloo ranks (pp 2 x dp 2, GPT-2, 2 and 4 micro-batches): one reduce-scatter
+        per step at ZeRO-2 and -3, and m + 1 ZeRO-3 all-gathers (tests/distributed/test_pipeline.py)."""
+        return self.mesh.degree("pp") > 1
+
     def compiled(self, op) -> bool:
         """Whether `op` runs inside a compiled block (a repeated block's op under `compile`)."""
         return self.compile and op.layer is not None

@@ -303,7 +303,10 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
         numel = _rank_numel(meta, ctx)  # this rank's experts only
         local = numel / _deg(pp.storage, ctx, (OUT, IN))
         at_compute = numel / _deg(pp.compute, ctx, (OUT, IN))
-        p, g, o = model_state_bytes(local, prec, zero=st.zero, dp=dp)
+        # in a pipeline the stage holds whole parameters and gradients from its first backward to the step's
+        # reduction (PlanContext.grads_reduced_per_step): ZeRO-2 and -3 hold what ZeRO-1 does
+        held = min(st.zero, 1) if ctx.grads_reduced_per_step else st.zero
+        p, g, o = model_state_bytes(local, prec, zero=held, dp=dp)
         p_b, g_b, o_b = p_b + p, g_b + g, o_b + o
         gather_axes = tuple(a for a in mesh.tp_axes if pp.storage.get(a) != pp.compute.get(a))
         if gather_axes:  # 2D/3D weights: gathered per use, gradient reduce-scattered
@@ -342,7 +345,8 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float =
     waited for), transient bytes, collectives per micro-batch and per iteration. Where the runtime issues them
     (runtime/data_parallel.py `set_microbatch`): ZeRO-0 all-reduces and ZeRO-1 reduce-scatters the accumulated
     gradients after the last micro-batch's backward; ZeRO-1 and -2 gather the parameters in the first forward
-    and keep them until the last backward; ZeRO-2 and -3 reduce-scatter in every backward. `outer`: expert
+    and keep them until the last backward; ZeRO-2 and -3 reduce-scatter in every backward, except in a
+    pipeline stage, which reduces once per step (`PlanContext.grads_reduced_per_step`). `outer`: expert
     weights under expert parallelism, data parallel over the dp / ep ranks that hold the same experts.
     `param_bytes`: bytes per gathered element where not the precision's (float8 all-gather: 1)."""
     prec, dp = ctx.precision, ctx.mesh.degree("dp") // (ctx.ep if outer else 1)
@@ -365,9 +369,18 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float =
     if st.zero == 1:  # distributed optimizer: reduce-scatter accumulated gradients, gather updated params
         return 0.0, 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, 0.0, [], \
             [("reduce_scatter", gb), ("all_gather", pb)]
+    if st.zero == 2 and ctx.grads_reduced_per_step:  # a pipeline stage: as ZeRO-1 (grads_reduced_per_step)
+        return 0.0, 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, 0.0, [], \
+            [("reduce_scatter", gb), ("all_gather", pb)]
     if st.zero == 2:  # FSDP SHARD_GRAD_OP: reduce-scatter each micro-batch, gather once per iteration
         return 0.0, coll("reduce_scatter", gb), 0.0, coll("all_gather", pb), 0.0, 0.0, \
             [("reduce_scatter", gb)], [("all_gather", pb)]
+    if ctx.grads_reduced_per_step and gathers_overlap(ctx.zero_impl):
+        # a pipeline stage: gathered for every forward, once for the backward (kept until the step's end),
+        # the accumulated gradients reduce-scattered once
+        ag = coll("all_gather", pb)
+        return ag, 0.0, coll("reduce_scatter", gb), ag, 0.0, pb / s, [("all_gather", pb)], \
+            [("reduce_scatter", gb), ("all_gather", pb)]
     rs, comm = coll("reduce_scatter", gb), [("all_gather", 2 * pb), ("reduce_scatter", gb)]
     if not gathers_overlap(ctx.zero_impl):  # gathered per op, forward and backward, and waited for
         gather = zero3_gather_s(ctx.zero_impl, pb, on_dp("all_gather", pb), numel=local)
@@ -406,7 +419,7 @@ def _grad_accumulation_s(op: Op, st: OpStrategy, ctx: PlanContext) -> float:
     if not ctx.fused_pointwise:
         adds = (ctx.num_microbatches - 1) / ctx.num_microbatches
         per_element = prec.grad_bytes + 2 * prec.reduce_bytes  # into FSDP2's sum, kept in the reduce dtype
-        if st.zero >= 2:
+        if st.zero >= 2 and not ctx.grads_reduced_per_step:
             local /= max(1, _param_dp(op, ctx)[0])
             per_element = 3 * prec.main_grad_bytes  # the reduced shard, cast, into the shard's fp32 gradient
     return adds * memory_bound_time_s(per_element * local, ctx.gpu, kernels=owned)

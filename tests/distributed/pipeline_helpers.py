@@ -210,7 +210,8 @@ def _gathers_case(case: dict) -> dict:
     lx, ly = pm.shard_inputs((x, y))
     train_step(pm, (lx,), ly)
     pm.zero_grad()
-    return {"case": case["id"], "comm": measure_step_comm(lambda: train_step(pm, (lx,), ly))}
+    stage = pm.mesh.get_local_rank("pp") if "pp" in (pm.mesh.mesh_dim_names or ()) else 0
+    return {"case": case["id"], "comm": measure_step_comm(lambda: train_step(pm, (lx,), ly)), "stage": stage}
 
 
 def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
