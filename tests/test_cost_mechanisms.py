@@ -197,6 +197,24 @@ def test_a_pipeline_stage_holds_zero2_and_zero3_gradients_whole_and_reduces_them
     assert costs[("piped", 3)].dp_fwd_s > 0 and costs[("piped", 3)].dp_iter_fwd_s > 0  # per forward; backward once
 
 
+def test_a_pipelines_last_stage_holds_its_own_copy_of_a_tied_embedding():
+    """GPT's head shares the word embedding: in a 2-stage pipeline the last stage holds a copy, priced like any
+    parameter it owns (evaluate.with_stage_copies); without a pipeline there is one."""
+    from autoshard.api import capture_ref
+
+    graph = capture_ref("gpt:layers=4,hidden=256,heads=4,seq=128,vocab=512")
+    cfg = dict(tp=1, dp=1, cp=1, cp_attention="allgather", micro_batch=1, global_batch=4, recompute="none",
+               sequence_parallel=False, schedule=None, zero=0, fused_kernels=False, fused_loss=False,
+               zero_impl="fsdp2", tp_comm_overlap="", allocator="expandable", precision=None, ep=1,
+               ep_imbalance=None, compile=False, float8="")
+    _, one = estimate(graph, ClusterSpec.parse("1x1xA100-80GB"), HandConfig(pp=1, virtual_stages=1, **cfg))
+    _, two = estimate(graph, ClusterSpec.parse("1x2xA100-80GB"), HandConfig(pp=2, virtual_stages=1, **cfg))
+    embedding = 512 * 256 * 2  # bf16 working copy
+    held = sum(m.params_bytes for m in two.stage_memory)
+    assert held == pytest.approx(one.stage_memory[0].params_bytes + embedding)
+    assert two.op_costs["lm_head"].param_bytes == embedding and one.op_costs["lm_head"].param_bytes == 0
+
+
 def test_gradients_are_added_only_from_the_second_micro_batch_and_only_to_what_the_runtime_keeps(llama):
     """Autograd assigns a step's first gradient and adds the later ones. ZeRO-0/1 keep the full gradient across
     micro-batches (m - 1 adds of it), ZeRO-2/3 drop it after each reduce-scatter and add only the 1/dp shard;

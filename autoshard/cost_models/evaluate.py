@@ -35,7 +35,7 @@ ZeRO traffic.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
@@ -129,6 +129,31 @@ def selective_keeps(graph: OpGraph) -> dict[str, bool]:
                                                                     and mm % 2 == 1)
         cache["sac"] = out
     return cache["sac"]
+
+
+def with_stage_copies(graph: OpGraph, pipe: PipelineSpec) -> OpGraph:
+    """`graph` with every shared parameter also owned by its first user on each other pipeline stage: a tied
+    embedding and head on the first and last stage are two copies there, each held, gathered, reduced over dp and
+    stepped by its stage, their gradients summed between the stages (runtime/pipeline.py TiedSync, as
+    Megatron-LM's embedding group does). Measured on gloo ranks: GPT-2's last stage (pp 2 x dp 2, ZeRO-2) gathers
+    and reduce-scatters its copy of the word embedding with the rest of its parameters
+    (tests/distributed/test_pipeline.py). Without a pipeline, `graph` itself."""
+    if pipe.degree == 1 or not graph.tied_params:
+        return graph
+    cache = graph_cache(graph)
+    key = ("stage_copies", pipe.degree, pipe.virtual_stages, pipe.stage_layers)
+    if key not in cache:
+        rank = {name: c % pipe.degree for name, c in stage_of(graph, pipe).items()}
+        held = {(p.name, rank[op.name]) for op in graph.ops for p in op.params if p.owner}
+        ops = []
+        for op in graph.ops:
+            copies = [p for p in op.params if not p.owner and (p.name, rank[op.name]) not in held]
+            held |= {(p.name, rank[op.name]) for p in copies}
+            ops.append(replace(op, params=tuple(replace(p, owner=True) if p in copies else p for p in op.params))
+                       if copies else op)
+        changed = any(a is not b for a, b in zip(ops, graph.ops, strict=True))
+        cache[key] = replace(graph, ops=tuple(ops)) if changed else graph
+    return cache[key]
 
 
 def pointwise_region_inputs(graph: OpGraph) -> dict[str, tuple[TensorMeta, ...]]:
@@ -573,6 +598,7 @@ def evaluate(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, pi
 
     `assign` may cover every op, or only the template ops (block 0 of each repeated group and the ops
     outside blocks) with `check_tied=False`: the search prices thousands of candidates that way."""
+    graph = with_stage_copies(graph, pipe)
     tg, stage = template_for(graph, pipe)
     missing = [op.name for op in tg.ops if op.name not in assign]
     if missing:

@@ -79,9 +79,10 @@ PUBLIC_API_CASES = {
 # forward and once in backward; (schedule or None, micro-batch) with a global batch of 8 on dp=4
 GATHER_CASES = {"layered-1mb": ("looped-bfs", 2), "layered-2mb": ("looped-bfs", 1),
                 "depth-first-1mb": (None, 2), "depth-first-2mb": (None, 1)}
-# ZeRO-2 and -3 in a pipeline (Llama, pp 2 x dp 2, 1F1B, 4 micro-batches of 1): torch.distributed.pipelining reduces the
-# gradients once per step (PlanContext.grads_reduced_per_step); ZeRO level -> the case's id
-PIPELINED_ZERO_CASES = {2: "pp2-dp2-zero2-4mb", 3: "pp2-dp2-zero3-4mb"}
+# ZeRO-2 and -3 in a pipeline (pp 2 x dp 2, 1F1B, 4 micro-batches of 1): torch.distributed.pipelining reduces the
+# gradients once per step (PlanContext.grads_reduced_per_step); GPT-2's last stage holds a copy of the tied word
+# embedding (evaluate.with_stage_copies). ZeRO level -> (model, the case's id)
+PIPELINED_ZERO_CASES = {2: ("gpt2", "gpt2-pp2-dp2-zero2-4mb"), 3: ("llama", "llama-pp2-dp2-zero3-4mb")}
 
 
 @functools.cache
@@ -139,8 +140,8 @@ def _world(long: bool) -> dict[str, list[dict]]:
         options = {"schedule": schedule} if schedule else {}
         cases.append({**_case(case_id, "gpt2", 2, {"dp": 4}, "replicate", 8, micro_batch, {"zero": 3, **options}),
                       "kind": "gathers"})
-    for zero, case_id in PIPELINED_ZERO_CASES.items() if not long else ():
-        cases.append({**_case(case_id, "llama", 4, {"pp": 2, "dp": 2}, "replicate", 8, 1,
+    for zero, (model, case_id) in PIPELINED_ZERO_CASES.items() if not long else ():
+        cases.append({**_case(case_id, model, 4, {"pp": 2, "dp": 2}, "replicate", 8, 1,
                               {"schedule": "1f1b", "zero": zero}), "kind": "gathers"})
     per_rank = run_world(pipeline_cases, WORLD, cases, timeout_s=420)
     return {r["case"]: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
@@ -215,12 +216,12 @@ def test_layered_accumulation_gathers_zero3_parameters_once_per_step():
 def test_a_pipeline_stage_reduces_zero_gradients_once_per_step_as_priced(zero):
     """Every rank's all-gather and reduce-scatter bytes in one step equal `predicted_step_comm` for its stage:
     one reduce-scatter per step (not one per micro-batch), ZeRO-3's gathers once per forward and once for
-    the backward."""
+    the backward, GPT-2's last stage its copy of the tied embedding too."""
     from autoshard.cost_models.prediction import predicted_step_comm
     from autoshard.hardware_profiles import ClusterSpec
 
-    case_id = PIPELINED_ZERO_CASES[zero]
-    case = _case(case_id, "llama", 4, {"pp": 2, "dp": 2}, "replicate", 8, 1, {"schedule": "1f1b", "zero": zero})
+    model, case_id = PIPELINED_ZERO_CASES[zero]
+    case = _case(case_id, model, 4, {"pp": 2, "dp": 2}, "replicate", 8, 1, {"schedule": "1f1b", "zero": zero})
     cluster = ClusterSpec.parse(f"1x{WORLD}xcpu")
     for r in _results()[case_id]:
         predicted = predicted_step_comm(case["plan"], case["graph"], cluster, stage=r["stage"])
