@@ -30,7 +30,7 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
                     global_batch: int, seq: int | None = None, recompute: str = "none",
                     sequence_parallel: bool = False, virtual_stages: int = 1, schedule: str | None = None,
                     zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False,
-                    zero_impl: str = "fsdp2",
+                    loss_parallel: bool = False, zero_impl: str = "fsdp2",
                     tp_comm_overlap: str | bool = "", allocator: str = "expandable", precision: str | None = None,
                     cp: int = 1, cp_attention: str = "allgather", ep: int = 1, ep_imbalance: float | None = None,
                     compile: bool = False, float8: str = "", check_memory: bool = True):
@@ -44,6 +44,9 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     one kernel per ATen op keeping what its derivative needs (eager PyTorch). `fused_loss`: the cross-entropy
     runs as one kernel each way over the 16-bit logits, keeping them and writing a 16-bit gradient
     (flash-attn's CrossEntropyLoss, llm-foundry's default loss), instead of torch's cross_entropy on fp32 logits.
+    `loss_parallel`: the cross-entropy on each tensor-parallel rank's vocabulary shard of a column-parallel head
+    (Megatron-LM's vocab_parallel_cross_entropy, torchtitan's loss_parallel), instead of the outputs gathered
+    whole for the loss (autoshard's runtime).
     `zero_impl`: how ZeRO-3 gathers parameters, "fsdp2" (per block, prefetched: autoshard's runtime, FSDP,
     DeepSpeed since late 2021) or "deepspeed-2021" (per submodule, waited for, ~24 GB/s per GPU: DeepSpeed's
     ZeRO-3 before PR #1188; `cost_models/zero_impl.py`).
@@ -68,7 +71,8 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
               recompute=recompute, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
               schedule=schedule, zero=zero, fused_kernels=fused_kernels, fused_loss=fused_loss,
-              zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision,
+              loss_parallel=loss_parallel, zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator,
+              precision=precision,
               cp=cp, cp_attention=cp_attention, ep=ep, ep_imbalance=ep_imbalance, compile=compile, float8=float8)
     return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
@@ -89,7 +93,7 @@ def capture_ref(ref, *, seq: int | None = None, attn: str | None = None):
 def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
               virtual_stages, schedule, zero, attn, check_memory, fused_kernels, fused_loss, zero_impl,
               tp_comm_overlap, allocator, precision=None, cp=1, cp_attention="allgather", ep=1, ep_imbalance=None,
-              compile=False, float8=""):
+              compile=False, float8="", loss_parallel=False):
     cluster = resolve_cluster(cluster)
     require_positive("cp", cp)
     if dp is None:
@@ -101,8 +105,8 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
     cfg = HandConfig(tp=tp, pp=pp, dp=dp, cp=cp, cp_attention=cp_attention, micro_batch=micro_batch,
                      global_batch=global_batch, recompute=recompute,
                      sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, schedule=schedule, zero=zero,
-                     fused_kernels=fused_kernels, fused_loss=fused_loss, zero_impl=zero_impl,
-                     tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision, ep=ep,
+                     fused_kernels=fused_kernels, fused_loss=fused_loss, loss_parallel=loss_parallel,
+                     zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision, ep=ep,
                      ep_imbalance=ep_imbalance, compile=compile, float8=float8 or "")
     graph = capture_ref(model, seq=seq, attn=attn)
     if cp > 1:  # priced on the rank-local graph; the plan names the model as the user runs it

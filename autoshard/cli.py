@@ -123,7 +123,7 @@ def _cmd_estimate(args) -> int:
         global_batch=args.global_batch, seq=args.seq, recompute=args.recompute,
         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages, schedule=args.schedule,
         zero=args.zero, attention=args.attention, fused_kernels=args.fused_kernels, fused_loss=args.fused_loss,
-        zero_impl=args.zero_impl, cp=args.cp, cp_attention=args.cp_attention, ep=args.ep,
+        loss_parallel=args.loss_parallel, zero_impl=args.zero_impl, cp=args.cp, cp_attention=args.cp_attention, ep=args.ep,
         ep_imbalance=args.ep_imbalance, tp_comm_overlap=args.tp_comm_overlap, allocator=args.allocator,
         compile=args.compile, float8=args.float8 or "")
     args.progress.close()
@@ -134,6 +134,7 @@ def _cmd_estimate(args) -> int:
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             "recompute": plan.recompute, "fused_kernels": args.fused_kernels, "fused_loss": args.fused_loss,
+            "loss_parallel": args.loss_parallel,
             "zero_impl": args.zero_impl, "cp": args.cp, "cp_attention": args.cp_attention, "ep": args.ep,
             "tp_comm_overlap": args.tp_comm_overlap or "none", "compile": args.compile,
             "float8": args.float8 or "none",
@@ -444,6 +445,7 @@ def _check_args(args) -> None:
         _check_plot(args.plot)
     if args.command == "estimate" and args.output:
         other = [flag for flag, on in (("--fused-kernels", args.fused_kernels), ("--fused-loss", args.fused_loss),
+                                       ("--loss-parallel", args.loss_parallel),
                                        ("--zero-impl", args.zero_impl != "fsdp2"),
                                        ("--cp-attention ring", args.cp_attention == "ring"),
                                        ("--tp-comm-overlap", bool(args.tp_comm_overlap))) if on]
@@ -539,6 +541,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "and writes a 16-bit gradient (flash-attn's CrossEntropyLoss, llm-foundry's default); "
                         "default: torch's cross_entropy on fp32-upcast logits, three fp32 logit-sized buffers at "
                         "the start of backward, as torchtitan and autoshard's runtime run it")
+    e.add_argument("--loss-parallel", action="store_true",
+                   help="price the cross-entropy on each tensor-parallel rank's vocabulary shard of the head's "
+                        "output, three fp32 all-reduces per token instead of gathering the logits (Megatron-LM's "
+                        "vocab_parallel_cross_entropy, torchtitan's loss_parallel under TP); default: the outputs "
+                        "gathered whole for the loss on every rank, as autoshard's runtime hands them to the caller")
     e.add_argument("--zero-impl", choices=ZERO_IMPLS, default="fsdp2",
                    help="how --zero 3 gathers parameters: fsdp2 (one gather per block, prefetched beside compute: "
                         "autoshard's runtime, torchtitan, FSDP, DeepSpeed since late 2021) or deepspeed-2021 "

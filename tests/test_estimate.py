@@ -152,6 +152,22 @@ def test_fused_loss_fits_a_large_vocabulary_that_eager_cross_entropy_does_not():
     assert out["fused_loss"] is True and out["memory_gib"]["transient"] < 20
 
 
+def test_loss_parallel_keeps_the_logits_vocabulary_sharded_under_tensor_parallelism():
+    """`--loss-parallel` (Megatron-LM's vocab_parallel_cross_entropy, torchtitan's loss_parallel): at tp 8 the
+    loss's fp32 buffers are an eighth and the head's logits are never gathered; without TP nothing changes."""
+    spec = "gpt:layers=2,hidden=256,heads=8,seq=4096,vocab=65536"
+    tp8 = ("estimate", spec, "--cluster", "1x8xA100-80GB", "--tp", "8", "--micro-batch", "2", "--global-batch", "2",
+           "--json")
+    whole, sharded = json.loads(run(*tp8).stdout), json.loads(run(*tp8, "--loss-parallel").stdout)
+    logits_gib = 2 * 4096 * 65536 * 12 / 2**30  # eager cross-entropy: three fp32 copies
+    assert whole["memory_gib"]["transient"] - sharded["memory_gib"]["transient"] == pytest.approx(
+        logits_gib * 7 / 8, rel=0.02)
+    assert sharded["loss_parallel"] is True and sharded["iteration_time_s"] < whole["iteration_time_s"]
+    dp8 = ("estimate", spec, "--cluster", "1x8xA100-80GB", "--dp", "8", "--global-batch", "8", "--json")
+    assert json.loads(run(*dp8).stdout)["iteration_time_s"] == json.loads(
+        run(*dp8, "--loss-parallel").stdout)["iteration_time_s"]
+
+
 def test_zero_impl_without_zero3_is_a_one_line_error_naming_the_fix():
     out = run("estimate", "gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", "--cluster", "1x8xA100-80GB",
               "--dp", "8", "--global-batch", "8", "--zero-impl", "deepspeed-2021")
@@ -166,3 +182,6 @@ def test_estimate_writes_no_plan_file_priced_for_another_engine(tmp_path):
               "--tp", "2", "--dp", "4", "--global-batch", "4", "--tp-comm-overlap", "backward", "-o", str(target))
     assert out.returncode == 2 and "--tp-comm-overlap" in out.stderr and out.stderr.count("\n") == 1
     assert not target.exists()
+    out = run("estimate", "gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", "--cluster", "1x8xA100-80GB",
+              "--tp", "2", "--dp", "4", "--global-batch", "4", "--loss-parallel", "-o", str(target))
+    assert out.returncode == 2 and "--loss-parallel" in out.stderr and not target.exists()

@@ -51,6 +51,10 @@ class PlanContext:
     # the cross-entropy as one fused kernel each way over 16-bit logits (flash-attn's CrossEntropyLoss,
     # llm-foundry's default); False: eager torch cross_entropy on upcast logits (the runtime's)
     fused_loss: bool = False
+    # vocabulary-parallel cross-entropy: a head's output sharded over the vocabulary on tensor-parallel axes
+    # stays so, and each rank computes the loss on its shard (Megatron-LM, torchtitan's loss_parallel; estimate
+    # only); False: the outputs are gathered whole for the caller's loss (the runtime's)
+    loss_parallel: bool = False
     # how ZeRO-3 moves parameters (cost_models/zero_impl.py ZERO_IMPLS): "fsdp2" (the runtime's) or
     # "deepspeed-2021" (DeepSpeed before its mid-2021 rewrite; estimate only)
     zero_impl: str = "fsdp2"

@@ -55,7 +55,7 @@ from autoshard.cost_models.overlap import exposed_beside_s, exposed_comm_s
 from autoshard.cost_models.template import planned_edges, stage_of, template_for
 from autoshard.plans.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.plans.contract import expert_roles
-from autoshard.plans.layouts import BATCH, SEQ, Layout
+from autoshard.plans.layouts import BATCH, FEAT, SEQ, Layout
 from autoshard.plans.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.plans.strategies import same_strategy
 
@@ -76,9 +76,21 @@ class Evaluation:
     stage_time_s: tuple[float, ...]  # per micro-batch, per stage
 
 
-def sink_layout(ctx: PlanContext) -> Layout:
-    """Outputs leave the model batch-sharded over dp and whole on every tensor-parallel rank."""
-    return Layout((("dp", BATCH),)) if "dp" in ctx.mesh.names else Layout()
+def sink_layout(ctx: PlanContext, produced: Layout | None = None) -> Layout:
+    """Outputs leave the model batch-sharded over dp and whole on every tensor-parallel rank; under
+    `ctx.loss_parallel` a vocabulary-sharded output (`produced` sharded on its last dim) stays so."""
+    dp = (("dp", BATCH),) if "dp" in ctx.mesh.names else ()
+    if ctx.loss_parallel and produced is not None:
+        return Layout(dp + tuple((a, p) for a, p in produced.items if p == FEAT and a in ctx.mesh.tp_axes))
+    return Layout(dp)
+
+
+def vocab_shards(produced: Layout, ctx: PlanContext) -> int:
+    """Over how many ranks the loss of an output laid out as `produced` runs: its last dim's tensor-parallel
+    shards under `ctx.loss_parallel`, else 1 (the loss runs on the whole output on every rank)."""
+    if not ctx.loss_parallel:
+        return 1
+    return math.prod(ctx.mesh.degree(a) for a, p in produced.items if p == FEAT and a in ctx.mesh.tp_axes)
 
 
 def block_inputs(graph: OpGraph) -> dict[str, TensorMeta]:
@@ -277,7 +289,8 @@ def _template_costs(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanCont
             grad_partial_axes(d_st) if e.index == 0 else frozenset(), ctx,
             regather=d_st.save_sharded_input and e.index == 0, **e.shares,
             gather_bytes_per_elem=_float8_gather(graph.op(e.dst), ctx))
-    outs = {name: edge_cost(graph.op(name).output_meta, assign[name].output, sink_layout(ctx), frozenset(), ctx)
+    outs = {name: edge_cost(graph.op(name).output_meta, assign[name].output, sink_layout(ctx, assign[name].output),
+                            frozenset(), ctx)
             for name in tg.outputs}
     return op_costs, edges, outs
 
@@ -322,7 +335,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             stages[k].tp_hidden += n * hidden
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
-    loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
+    loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree, assign)
     for k, st in enumerate(stages):
         st.fwd += loss_time[k]
         st.bwd += loss_time[k]
@@ -393,16 +406,27 @@ def _has_loss(output: TensorMeta) -> bool:
 
 
 def loss_per_stage(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanContext,
-                   degree: int) -> tuple[list[float], list[float]]:
+                   degree: int, assign: dict[str, OpStrategy] | None = None) -> tuple[list[float], list[float]]:
     """Per pipeline stage: seconds of the loss each way (`loss_s`) and bytes it holds at the start of
-    backward (`loss_buffer_bytes`), on the stage that computes the model's outputs."""
+    backward (`loss_buffer_bytes`), on the stage that computes the model's outputs.
+
+    Under `ctx.loss_parallel` (vocabulary-parallel cross-entropy: Megatron-LM's `vocab_parallel_cross_entropy`,
+    Shoeybi et al. 2019 §3; torch's `loss_parallel`, which torchtitan runs under tensor parallelism) each rank
+    computes the loss on its vocabulary shard of the outputs `assign` leaves sharded, and all-reduces three fp32
+    values per token (the max logit, the sum of exponentials, the target's logit) in forward."""
     secs, nbytes = [0.0] * degree, [0.0] * degree
     for name in outputs:
         meta = graph.op(name).output_meta
-        secs[stage[name]] += loss_s(meta, ctx)
+        shards = vocab_shards(assign[name].output, ctx) if assign is not None else 1
+        secs[stage[name]] += loss_s(meta, ctx) / shards
         if _has_loss(meta):
-            nbytes[stage[name]] += loss_buffer_bytes(meta.numel * ctx.micro_batch, fused=ctx.fused_loss,
+            nbytes[stage[name]] += loss_buffer_bytes(meta.numel * ctx.micro_batch / shards, fused=ctx.fused_loss,
                                                      act_bytes=ctx.precision.act_bytes)
+            if shards > 1:
+                axes = tuple(a for a, p in assign[name].output.items if p == FEAT and a in ctx.mesh.tp_axes)
+                tokens = meta.numel / max(1, meta.shape[-1]) * ctx.micro_batch
+                # forward only: `secs` is charged each way, so half of it each way
+                secs[stage[name]] += 3 * ctx.redistribute_s("all_reduce", 4 * tokens, axes) / 2
     return secs, nbytes
 
 

@@ -57,6 +57,7 @@ class HandConfig:
     zero: int = 0
     fused_kernels: bool = False  # pointwise regions as one kernel each (Megatron-LM, torch.compile)
     fused_loss: bool = False  # the cross-entropy as one kernel each way (flash-attn's, llm-foundry's default)
+    loss_parallel: bool = False  # vocabulary-parallel cross-entropy under tensor parallelism (Megatron, torchtitan)
     zero_impl: str = "fsdp2"  # how ZeRO-3 gathers parameters (cost_models/zero_impl.py)
     # tensor-parallel collectives overlap compute: "" no (autoshard's runtime), "backward" (Megatron-LM's
     # asynchronous TP communication), "all" (Megatron-Core --tp-comm-overlap); True means "all"
@@ -222,7 +223,8 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
                       ep=cfg.ep, ep_imbalance=cfg.ep_imbalance,
                       precision=PRECISIONS[cfg.precision] if cfg.precision else default_precision(cluster),
                       recompute=cfg.recompute, seq=graph.seq_len,
-                      fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, zero_impl=cfg.zero_impl,
+                      fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, loss_parallel=cfg.loss_parallel,
+                      zero_impl=cfg.zero_impl,
                       tp_overlap=cfg.tp_comm_overlap, allocator=cfg.allocator, compile=cfg.compile,
                       float8=cfg.float8)
     assign = megatron_assignment(graph, priced, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
