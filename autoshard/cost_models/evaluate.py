@@ -378,7 +378,7 @@ def _beside_wgrad(comm_s: float, name: str, op_costs, graph: OpGraph, ctx: PlanC
     if ctx.tp_overlap != "backward" or comm_s <= 0:
         return 0.0
     op = graph.op(name)
-    if op.kind not in (OpKind.LINEAR, OpKind.MATMUL) or not any(p.owner for p in op.params):
+    if op.kind not in (OpKind.LINEAR, OpKind.MATMUL) or not op.params:  # a tied weight's gradient too
         return 0.0
     return comm_s - exposed_beside_s(op_costs[name].bwd_s / 2, comm_s, slowdown=ctx.gpu.overlap_slowdown)
 
