@@ -63,6 +63,23 @@ def test_once_per_step_traffic_hides_where_the_runtime_issues_it_on_a_link_its_p
     assert iteration_sync_s(longer, ctx, pipe, 4) == pytest.approx(exposed_comm_s(1.0, 0.4, units=4, slowdown=s))
 
 
+def test_a_pipeline_stage_reduces_its_gradients_after_its_last_backward_hidden_only_by_the_drain():
+    """torch.distributed.pipelining's REDUCE_GRAD follows the stage's last backward (Megatron-LM's all-reduce
+    the pipeline flush): in a pipeline the reduction is exposed, less what the stage's earlier finish hides."""
+    from autoshard.cost_models.evaluate import _Stage, iteration_sync_s
+    from autoshard.plans.plan import PipelineSpec
+
+    cluster = ClusterSpec.parse("2x8xA100-80GB")
+    ctx = PlanContext(mesh=MeshSpec.of(pp=2, dp=8), cluster=cluster, micro_batch=1, num_microbatches=4)
+    pipe = PipelineSpec(degree=2, stage_layers=((0, 2), (2, 4)))
+    st = _Stage(fwd=1.0, bwd=2.0, dp_iter=0.8, units=4)
+    assert iteration_sync_s(st, ctx, pipe, 4) == pytest.approx(0.8)  # the first stage: all of it
+    assert iteration_sync_s(st, ctx, pipe, 4, drain_s=0.5) == pytest.approx(0.3)
+    assert iteration_sync_s(st, ctx, pipe, 4, drain_s=2.0) == 0.0
+    flat = PlanContext(mesh=MeshSpec.of(dp=8), cluster=cluster, micro_batch=1, num_microbatches=4)
+    assert iteration_sync_s(st, flat, PipelineSpec(), 4) < 0.8  # beside the last backward without a pipeline
+
+
 def test_recompute_never_makes_a_comm_bound_zero2_step_faster():
     """A ZeRO-2 step whose backward is bound by its reduce-scatters: recompute lengthens the backward, which hid
     the step's gather twice over when the model put that gather there (1-2% faster with recompute)."""

@@ -532,13 +532,19 @@ def stage_exposed_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) ->
     return dp, tp
 
 
-def iteration_sync_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) -> float:
+def iteration_sync_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int, drain_s: float = 0.0) -> float:
     """Exposed seconds of a stage's once-per-step data-parallel traffic, where the runtime issues it
     (runtime/data_parallel.py `set_microbatch`): ZeRO-0's all-reduce and ZeRO-1's reduce-scatter overlap the last
     micro-batch's backward, ZeRO-1 and -2's parameter gather the first micro-batch's forward. Those phases
     already hide their own traffic (ZeRO-3's gathers, ZeRO-2 and -3's reduce-scatters; spread over the m
     micro-batches of a layered pipeline's phases) on the same link: what both expose together beyond what
-    their own traffic does (a phase whose own traffic saturates the link hides none of the step's)."""
+    their own traffic does (a phase whose own traffic saturates the link hides none of the step's).
+
+    In a pipeline (degree > 1) the gradient reduction runs after the stage's last backward, with nothing of
+    its own left to hide it: torch.distributed.pipelining's REDUCE_GRAD action follows the schedule's last
+    backward (schedules.py `_step_microbatches`, then `perform_reduce_grad`), as Megatron-LM's data-parallel
+    all-reduce follows the pipeline flush (Narayanan et al. 2021 §2.2). Only the `drain_s` by which the stage
+    finishes before the first stage's last backward hides it (the later stages are done earlier)."""
     s, u = ctx.gpu.overlap_slowdown, st.units
 
     def beside(compute: float, own: float, extra: float) -> float:
@@ -546,7 +552,10 @@ def iteration_sync_s(st: _Stage, ctx: PlanContext, pipe: PipelineSpec, m: int) -
         return (exposed_comm_s(compute, own + extra, units=u, slowdown=s)
                 - exposed_comm_s(compute, own, units=u, slowdown=s))
 
-    return beside(st.bwd, st.dp_bwd, st.dp_iter) + beside(st.fwd, st.dp_fwd, st.dp_iter_fwd)
+    gather = beside(st.fwd, st.dp_fwd, st.dp_iter_fwd)
+    if pipe.degree > 1:
+        return max(0.0, st.dp_iter - drain_s) + gather
+    return beside(st.bwd, st.dp_bwd, st.dp_iter) + gather
 
 
 def core_share(ctx: PlanContext) -> float:
@@ -575,7 +584,9 @@ def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: in
     slow = full.index(t)
     steady_and_fill = max((m + fill) * t, m * t_shared)
     bubble = steady_and_fill - m * t_shared
-    sync = max(iteration_sync_s(st, ctx, pipe, m) for st in stages)
+    # stage k's last backward ends k chunk backwards before the first stage's (the schedule's drain)
+    sync = max(iteration_sync_s(st, ctx, pipe, m, drain_s=k * st.bwd / pipe.virtual_stages)
+               for k, st in enumerate(stages))
     opt = max(optimizer_s(st, ctx) for st in stages) / share
     busy = m * (stages[slow].fwd + stages[slow].bwd) / share
     waits = m * stages[slow].host_wait
