@@ -17,15 +17,18 @@ LLAMA = "llama:layers={L},hidden=256,heads=8,kv_heads=2,ffn=688,seq=128,vocab=10
 GPT = "gpt:layers={L},hidden=256,heads=8,seq=128,vocab=1000"
 
 
-def _measured_bytes(ref: str) -> int:
-    loaded = load_model(ref, device="cpu", attn="sdpa")
-    model = loaded.module.train()
-    for m in model.modules():  # without dropout CPU SDPA runs its flash kernel, the one the capture prices
+def _without_dropout(model) -> None:
+    """Without dropout CPU SDPA runs its flash kernel, the one the capture prices."""
+    for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     for k in ("attn_pdrop", "resid_pdrop", "embd_pdrop", "attention_dropout"):
         if hasattr(model.config, k):
             setattr(model.config, k, 0.0)
+
+
+def _saved_storage_bytes(model, inputs) -> int:
+    """Bytes of the storages autograd saves in one forward of `model`, each once, parameters left out."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -36,8 +39,15 @@ def _measured_bytes(ref: str) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*loaded.example_inputs(1, device="cpu"))
+        model(*inputs)
     return sum(storages.values())
+
+
+def _measured_bytes(ref: str) -> int:
+    loaded = load_model(ref, device="cpu", attn="sdpa")
+    model = loaded.module.train()
+    _without_dropout(model)
+    return _saved_storage_bytes(model, loaded.example_inputs(1, device="cpu"))
 
 
 def _predicted_bytes(ref: str) -> float:
@@ -83,25 +93,12 @@ def _measured_compiled_bytes(ref: str) -> int:
     loaded = load_model(ref, device="cpu", attn="sdpa")
     model = loaded.module.train().to(torch.bfloat16)
     blocks = model.model.layers if hasattr(model, "model") else model.transformer.h
-    for m in model.modules():  # without dropout, as measured eager above
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    _without_dropout(model)  # as measured eager above
     for block in blocks:
         block.compile(backend="aot_eager_decomp_partition")
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
     x = loaded.example_inputs(1, device="cpu")
     model(*x)  # compiles
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*x)
-    return sum(storages.values())
+    return _saved_storage_bytes(model, x)
 
 
 def _priced_compiled_bytes(ref: str) -> float:
