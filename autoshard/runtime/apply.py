@@ -93,7 +93,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
         apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
         compile_blocks(model, plan)
         apply_plain_data_parallel(model, specs, mesh, precision=precision, expert_meshes=experts,  # 6
-                                  expert_zero=_expert_zero(plan))
+                                  expert_zero=_expert_zero(plan), whole_blocks=plan.compile)
         log.info("applied plan %s on mesh %s (plain tensors): %d module ops", plan.model, plan.mesh, len(specs))
         return model
     if compute_dtype(precision) is not None and "dp" not in mesh.mesh_dim_names:  # FSDP2 casts the parameters:
@@ -123,7 +123,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh, graph: OpGraph
     apply_recompute(model, plan, scores=materializes_scores(plan))  # 5
     compile_blocks(model, plan)
     apply_sharded_data_parallel(model, specs, mesh, precision=precision, expert_meshes=experts,  # 6
-                                expert_zero=_expert_zero(plan))
+                                expert_zero=_expert_zero(plan), whole_blocks=plan.compile)
     log.info("applied plan %s on mesh %s: %d module ops", plan.model, plan.mesh, len(specs))
     return model
 

@@ -37,7 +37,7 @@ def compile_blocks(model: nn.Module, plan: Plan) -> int:
         return 0
     paths = block_paths(plan, model)
     for path in paths:
-        model.get_submodule(path).compile()
+        model.get_submodule(path).compile(dynamic=False)
     log.info("compiled %d blocks", len(paths))
     return len(paths)
 

@@ -130,9 +130,11 @@ def _unit_key(path: str, spec: ModuleSpec, slice_index: int | None) -> tuple:
     return ("block", block.group(1), spec.zero)
 
 
-def _groups(model: nn.Module, specs: dict[str, ModuleSpec]) -> list[tuple[list[nn.Module], int]]:
+def _groups(model: nn.Module, specs: dict[str, ModuleSpec], *,
+            whole_blocks: bool = False) -> list[tuple[list[nn.Module], int]]:
     """FSDP groups: one per (block, zero level), one per planned module outside blocks, one per slice of a
-    split Linear; merged where they share a parameter; each with its ops' zero level."""
+    split Linear; merged where they share a parameter; each with its ops' zero level. `whole_blocks`: a group
+    holding every parameter of its block is the block module itself (`_as_block`)."""
     units: list[tuple[nn.Module, int, str, tuple]] = []
     for path, spec in specs.items():
         module = model.get_submodule(path)
@@ -163,7 +165,27 @@ def _groups(model: nn.Module, specs: dict[str, ModuleSpec]) -> list[tuple[list[n
             log.warning("ops %s share a parameter but are planned with zero levels %s; using zero=%d for all",
                         ", ".join(units[i][2] for i in idx), sorted(zeros), max(zeros))
         groups.append(([units[i][0] for i in idx], max(zeros)))
+    if whole_blocks:
+        paths = {id(m): name for name, m in model.named_modules()}
+        groups = [(_as_block(model, modules, paths), zero) for modules, zero in groups]
     return groups
+
+
+def _as_block(model: nn.Module, modules: list[nn.Module], paths: dict[int, str]) -> list[nn.Module]:
+    """[the block] when `modules` are all the parameter holders of one repeated block, else `modules`.
+
+    For compiled blocks (compile.py): FSDP2's hooks are `torch._dynamo.disable`d, so hooks on the leaves inside
+    a compiled block break its graph at every leaf, and with DTensors a graph ending in a view of its input
+    fails (AOTAutograd regenerates it with `as_strided`, which DTensor lacks). On the block they sit at the
+    compiled region's edge, as in torchtitan (`fully_shard(transformer_block)` after `apply_compile`); the
+    group's parameters, hence its collectives, are the same."""
+    found = {_BLOCK.match(paths.get(id(m), "")) for m in modules}
+    blocks = {f.group(1) for f in found if f is not None}
+    if len(blocks) != 1 or None in found:
+        return modules
+    block = model.get_submodule(blocks.pop())
+    holders = {id(m) for m in block.modules() if any(True for _ in m.parameters(recurse=False))}
+    return [block] if holders == {id(m) for m in modules} else modules
 
 
 def _add_unplanned_holders(model: nn.Module, units: list) -> None:
@@ -221,9 +243,10 @@ def _unit_dp(mesh: DeviceMesh) -> bool:
 
 def apply_sharded_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, *,
                                 precision: Precision = FP32, expert_meshes: tuple | None = None,
-                                expert_zero: dict[str, int] | None = None) -> None:
+                                expert_zero: dict[str, int] | None = None, whole_blocks: bool = False) -> None:
     """fully_shard every planned module per its zero level, then the root (see the module docstring), each with
     the precision's mixed-precision policy (precision.py). Without a dp axis the caller autocasts instead.
+    `whole_blocks` (compiled blocks): a block's group is the block module itself (`_as_block`).
     The experts modules of a mixture-of-experts model hold plain tensors (apply.py): each is a unit of plain
     FSDP2 first, on the ranks holding the same experts at its tensor-parallel position (`expert_meshes`, as
     in `apply_plain_data_parallel`), summing the exact global gradients like every other unit."""
@@ -234,7 +257,7 @@ def apply_sharded_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], 
     mp, unit = fsdp_policy(precision), _unit_dp(mesh)
     if expert_meshes is not None:
         specs = _shard_experts(model, specs, mesh, expert_meshes, expert_zero or {}, mp)
-    for modules, zero in _groups(model, specs):
+    for modules, zero in _groups(model, specs, whole_blocks=whole_blocks):
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, dp_mesh_dims=_dims(zero, unit),
                     reshard_after_forward=zero == 3, mp_policy=mp,
                     shard_placement_fn=_dp_shard_dim if zero > 0 or unit else None)
@@ -262,7 +285,7 @@ def _reduce_grads_to_param_placement(model: nn.Module) -> None:
 
 def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], mesh: DeviceMesh, *,
                               precision: Precision = FP32, expert_meshes: tuple | None = None,
-                              expert_zero: dict[str, int] | None = None) -> None:
+                              expert_zero: dict[str, int] | None = None, whole_blocks: bool = False) -> None:
     """Data parallelism on plain tensors, for plans without tensor-parallel axes (torchtitan's FSDP2 usage):
     the same groups and zero levels as `apply_sharded_data_parallel`, each `fully_shard` on the 1-D dp mesh
     (ZeRO 1-3) or on the dp ranks as HSDP with a one-rank shard dim (ZeRO 0: replicated, gradients
@@ -281,7 +304,7 @@ def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], me
     matmuls run inside the module's own forward, so no leaf-module spec carries them) get a unit each first, at
     the zero level of their ops (`expert_zero`: module path -> zero): on the dp ranks, or under expert
     parallelism on the ranks that hold the same experts (`expert_meshes`, mesh.expert_parallel_meshes); the
-    rest as above."""
+    rest as above. `whole_blocks` as in `apply_sharded_data_parallel`."""
     from autoshard.runtime.mesh import replicate_mesh
 
     planned = {id(p) for path in specs for p in model.get_submodule(path).parameters()}
@@ -292,7 +315,7 @@ def apply_plain_data_parallel(model: nn.Module, specs: dict[str, ModuleSpec], me
         specs = {path: spec for path, spec in specs.items()
                  if not (spec.zero == 2 and spec.split == 1 and _BLOCK.match(path) is None)}
     unit = _unit_dp(mesh)
-    for modules, zero in _groups(model, specs):
+    for modules, zero in _groups(model, specs, whole_blocks=whole_blocks):
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=zero == 3,
                     mesh=mesh if zero > 0 or unit else replicate_mesh(mesh), mp_policy=mp)
         _tag(modules, zero)

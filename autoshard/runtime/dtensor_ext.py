@@ -218,7 +218,9 @@ def _split_fused(name: str, args: tuple, kwargs: dict):
         return None
     axis, strided = on_dim[0]
     parts = _equal_parts(name, args, kwargs, x.shape[dim])
-    if parts != strided.split_factor:
+    # compared whole, not by `split_factor`: a placement is an opaque value to Dynamo, whose only members it
+    # reads are `dim` and `__eq__` (torch's _register_placements_as_opaque), so compiled blocks trace this
+    if parts is None or not strided == _StridedShard(dim, split_factor=parts):
         return None
     placements = list(x.placements)
     placements[axis] = Shard(dim)

@@ -84,11 +84,20 @@ def plan_blocks_local_shards(plan: Plan, specs: dict[str, ModuleSpec]) -> str | 
     return None
 
 
+def compiled_blocks(plan: Plan) -> str | None:
+    """Why compiled blocks keep the model's code on DTensors: Dynamo traces the DTensor ops of a block into
+    one graph (their Python dispatch, which local shards avoid in eager mode, is then paid once at compile
+    time), while local shards tag tensors with their placements (`setattr`), which it does not trace: the
+    graph breaks around every planned module and AOTAutograd mistakes a DTensor tangent for a plain tensor
+    (pytorch/pytorch#172556, met with FSDP2 x TP on torch 2.13)."""
+    return "the plan compiles its blocks (Dynamo traces DTensor code whole)" if plan.compile else None
+
+
 def choose_local_shards(model: nn.Module, state: RuntimeState, specs: dict[str, ModuleSpec], example_inputs: tuple) -> bool:
     """Check both conditions (module docstring) on every rank and set `state.local`; returns it. Call on every
     rank of the plan's mesh, before FSDP (the check runs two forwards on the parameters as distributed)."""
-    reason = (plan_blocks_local_shards(state.plan, specs) or uneven_example(state.plan, example_inputs)
-              or dropout_in(model))
+    reason = (compiled_blocks(state.plan) or plan_blocks_local_shards(state.plan, specs)
+              or uneven_example(state.plan, example_inputs) or dropout_in(model))
     if reason is None:
         reason = _outputs_differ(model, state, example_inputs)
     agreed = torch.tensor([0 if reason else 1], device=state.mesh.device_type)

@@ -151,7 +151,7 @@ def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: De
     apply_operator_splitting(stage, specs, runtimes, mesh)
     apply_recompute(stage, plan, scores=materializes_scores(plan))
     compile_blocks(stage, plan)
-    apply_sharded_data_parallel(stage, specs, mesh, precision=precision)
+    apply_sharded_data_parallel(stage, specs, mesh, precision=precision, whole_blocks=plan.compile)
 
 
 def _gather_once_per_step(chunk: nn.Module) -> None:
@@ -399,7 +399,8 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
             apply_recompute(chunk, plan, scores=materializes_scores(plan))
             compile_blocks(chunk, plan)
             if unit_dp:
-                apply_plain_data_parallel(chunk, _chunk_specs(specs, chunk), full["dp"], precision=precision)
+                apply_plain_data_parallel(chunk, _chunk_specs(specs, chunk), full["dp"], precision=precision,
+                                          whole_blocks=plan.compile)
         if name == "looped-bfs":
             _gather_once_per_step(chunk)
     stages = _stages(local, io, full, device_type)  # 4

@@ -125,6 +125,9 @@ def distribute_parameters(model: nn.Module, specs: dict[str, ModuleSpec], mesh: 
 @contextmanager
 def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]):
     """Temporarily register `tensors` (compute-placed weights) under the module's parameter names."""
+    if not tensors:  # nothing to swap: no mutation for Dynamo to see (a checkpoint's side effect breaks it)
+        yield
+        return
     saved = {k: module._parameters[k] for k in tensors}
     module._parameters.update(tensors)
     try:
