@@ -101,16 +101,53 @@ def test_float8_is_refused_on_gpus_without_fp8_tensor_cores():
         plan(TINY_LLAMA, "1x2xA100-80GB", global_batch=4, float8="tensorwise")
 
 
-def test_the_planner_compiles_plain_tensor_plans_on_gpus_and_nothing_on_cpu_ranks():
+def test_the_planner_compiles_on_gpus_tensor_parallel_plans_too_and_nothing_on_cpu_ranks():
     from autoshard.api import plan
 
     gpu = plan(TINY_LLAMA, "1x2xH100-80GB", global_batch=4, space="dp,zero")
     assert gpu.compile and not gpu.mesh.tp_axes
     assert not plan(TINY_LLAMA, "1x2xcpu", global_batch=4, space="dp,zero").compile
     tp = plan(TINY_LLAMA, "1x2xH100-80GB", global_batch=2, space="tp1d")
-    assert tp.mesh.tp_axes and not tp.compile  # blocks on DTensors: the runtime refuses to compile them
+    assert tp.mesh.tp_axes and tp.compile  # blocks on DTensors compile too (runtime/compile.py)
     off = plan(TINY_LLAMA, "1x2xH100-80GB", global_batch=4, space="dp,zero", compile=False)
     assert not off.compile
+
+
+def _block_levels_solved(compiled: bool, only: dict[str, int]) -> set | None:
+    """Solve the ILP for TINY_LLAMA on dp 2 x tp 2 (H100s) with the parameter ops of the first block restricted
+    to zero level only[name] (the rest free); the set of (zero, split) its parameter ops got, None if infeasible."""
+    from autoshard.cost_models.context import PlanContext, default_precision
+    from autoshard.cost_models.template import template_for
+    from autoshard.planner.ilp import build_problem, solve
+    from autoshard.plans.layouts import MeshSpec
+    from autoshard.plans.plan import PipelineSpec
+    from autoshard.plans.strategies import strategies_in
+
+    graph, cluster, mesh = load_graph(TINY_LLAMA), ClusterSpec.parse("1x4xH100-80GB"), MeshSpec.of(dp=2, tp=2)
+    ctx = PlanContext(mesh=mesh, cluster=cluster, micro_batch=1, num_microbatches=1,
+                      precision=default_precision(cluster), seq=graph.seq_len, compile=compiled)
+    tg, _ = template_for(graph, PipelineSpec())
+    strategies = {}
+    for op in tg.ops:
+        found = strategies_in(graph, op, mesh, 1)
+        key = next((k for k in only if op.name.endswith(k)), None)
+        strategies[op.name] = [s for s in found if key is None or s.zero == only[key]]
+    problem = build_problem(graph, ctx, PipelineSpec(), strategies, cap_bytes=80e9)
+    solution = solve(problem, time_limit_s=30)
+    if solution.status == "infeasible":
+        return None
+    block = set(graph.blocks[0].op_names[0])
+    return {(strategies[n][i].zero, strategies[n][i].split) for n, i in solution.choice.items()
+            if n in block and any(o.name == n and o.params for o in tg.ops)}
+
+
+def test_a_compiled_plan_on_dtensors_keeps_every_block_one_fsdp_unit():
+    # the ILP's `_whole_blocks` rows (runtime/compile.py `check_compile_plan` refuses the rest): one zero level
+    # for every parameter op of a block, no split op, once its blocks compile on DTensors
+    q_zero3 = {"q_proj": 3}
+    assert len(_block_levels_solved(False, {"q_proj": 3, "o_proj": 0})) > 1  # eager: levels mix freely
+    assert _block_levels_solved(True, {"q_proj": 3, "o_proj": 0}) is None  # compiled: no plan mixes them
+    assert _block_levels_solved(True, q_zero3) == {(3, 1)}  # the rest follow q_proj's level, unsplit
 
 
 def test_a_float8_plan_has_no_tensor_parallel_axes_and_round_trips_through_json():
@@ -130,13 +167,20 @@ def test_plans_written_before_compile_and_float8_load_as_eager_16_bit():
     assert back.compile is False and back.float8 == ""
 
 
-def test_the_runtime_refuses_compiled_blocks_on_dtensors_before_touching_the_model():
+def test_the_runtime_refuses_compiled_dtensor_blocks_of_several_fsdp_units_and_with_cp_or_ep_by_tp():
     from autoshard.runtime.compile import check_compile_plan
 
-    p, _ = estimate_config(TINY_LLAMA, "1x2xcpu", tp=2, dp=1, global_batch=2)
-    with pytest.raises(ConfigurationError, match="tensor-parallel axes tp"):
-        check_compile_plan(dataclasses.replace(p, compile=True))
-    check_compile_plan(p)  # eager: nothing to refuse
+    p, _ = estimate_config(TINY_LLAMA, "1x4xcpu", tp=2, dp=2, zero=3, global_batch=4)
+    check_compile_plan(dataclasses.replace(p, compile=True))  # one zero level per block: runs
+    q_proj = next(i for i, op in enumerate(p.ops) if op.layer == 1 and op.strategy.params)
+    ops = list(p.ops)
+    ops[q_proj] = dataclasses.replace(ops[q_proj], strategy=dataclasses.replace(ops[q_proj].strategy, zero=0))
+    with pytest.raises(ConfigurationError, match="block 1 mixes zero levels or splits ops"):
+        check_compile_plan(dataclasses.replace(p, ops=tuple(ops), compile=True))
+    check_compile_plan(dataclasses.replace(p, ops=tuple(ops)))  # eager: nothing to refuse
+    cp, _ = estimate_config(TINY_LLAMA, "1x4xcpu", tp=2, dp=1, cp=2, global_batch=2)
+    with pytest.raises(ConfigurationError, match="context parallelism and tensor-parallel axes tp"):
+        check_compile_plan(dataclasses.replace(cp, compile=True))
     dp, _ = estimate_config(TINY_LLAMA, "1x2xcpu", dp=2, global_batch=2)
     check_compile_plan(dataclasses.replace(dp, compile=True))
 

@@ -49,6 +49,10 @@ Constraints
       (f = 1 + allocator fragmentation, on what is allocated every step)
       (peak: a recomputed block's activations, live while that one block runs backward)
     placements of a shared parameter agree across the ops that use it                        (`_tied_params`)
+    sum_{s: zero(s)=z, split(s)=1} x[o,s] = w[g,z],  sum_z w[g,z] = 1,  w binary
+      for every op o holding parameters in block group g, when compiled blocks run on DTensors (tensor-
+      parallel axes, pipeline stages of several ranks): one FSDP unit per block, the block itself
+      (runtime/compile.py)                                                                   (`_whole_blocks`)
 A row is written once for stages that would repeat it: the time rows of stages holding the same ops and
 edges (the middle stages of a pipeline), the memory row only for the one of them with the most micro-batches
 in flight (it bounds the others); the problem is the same, a fraction of the size.
@@ -377,6 +381,24 @@ def _tied_params(lp, graph: OpGraph, tg, strategies, x) -> None:
                     lp += x[StratVar(other, i)] == 0
 
 
+def _whole_blocks(lp, graph: OpGraph, tg: TemplateGraph, strategies, x) -> None:
+    """Compiled blocks on DTensors need the block as one FSDP unit (runtime/compile.py
+    `check_compile_plan`): every op of a block that holds parameters at one zero level, none split."""
+    in_template = {op.name for op in tg.ops}
+    for g, group in enumerate(graph.blocks):
+        holders = [n for n in group.op_names[0] if n in in_template and _op(tg, n).params]
+        levels = sorted({s.zero for n in holders for s in strategies[n] if s.split == 1})
+        w = {z: _var(lp, f"w_{g}_{z}", cat="Binary") for z in levels}
+        lp += pulp.LpConstraint(_aff([(v, 1.0) for v in w.values()]), pulp.LpConstraintEQ, rhs=1)
+        for n in holders:
+            for z, v in w.items():
+                _eq(lp, [(x[StratVar(n, i)], 1.0) for i, s in enumerate(strategies[n])
+                         if s.zero == z and s.split == 1], [(v, 1.0)])
+            for i, s in enumerate(strategies[n]):
+                if s.split > 1:
+                    lp += x[StratVar(n, i)] == 0
+
+
 def fixed_stage_rows(graph: OpGraph, tg: TemplateGraph, stage: dict[str, int], ctx: PlanContext,
                      pipe: PipelineSpec, p2p_bytes: float = 0.0) -> tuple[list[float], list[float]]:
     """Per pipeline stage: (seconds its time row pays whatever the strategies: p2p sends and the loss both
@@ -410,6 +432,8 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
     T, syncs, opts = _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, fixed, loss)
     mem = _memory(lp, tg, costs, strategies, x, ctx, pipe, cap_bytes, minimize_memory, loss_bytes)
     _tied_params(lp, graph, tg, strategies, x)
+    if ctx.compile and ctx.mesh.on_dtensors:
+        _whole_blocks(lp, graph, tg, strategies, x)
     if minimize_memory:
         M = _var(lp, "M", lowBound=0)
         for terms, const in mem:

@@ -77,11 +77,13 @@ def parse_space(text: str | None) -> frozenset[str]:
 
 @dataclass(frozen=True, kw_only=True)
 class Lowering:
-    """How the runtime lowers the blocks, where it can (plans whose ops run on plain tensors: no tensor-parallel
-    axes, pipeline stages of one rank; runtime/compile.py refuses the rest): `compile` each block with
-    torch.compile (None: on GPU clusters, where the cost model prices the compiled kernels from GPU sources;
-    CPU ranks compile in minutes what runs in seconds), `float8` the block Linears ("" none, "tensorwise",
-    "rowwise"; GPUs with fp8 tensor cores only)."""
+    """How the runtime lowers the blocks, where it can (runtime/compile.py refuses the rest): `compile` each
+    block with torch.compile (None: on GPU clusters, where the cost model prices the compiled kernels from GPU
+    sources; CPU ranks compile in minutes what runs in seconds), on every mesh but tensor parallelism with
+    context or expert parallelism (blocks on DTensors also keep one FSDP unit each: ilp.py `_whole_blocks`);
+    `float8` the block Linears ("" none, "tensorwise", "rowwise"; GPUs with fp8 tensor cores only) where the
+    ops run on plain tensors (no tensor-parallel axes, pipeline stages of one rank) and experts are not
+    parallel."""
 
     compile: bool | None = None
     float8: str = ""
@@ -90,10 +92,11 @@ class Lowering:
         if self.float8 not in ("", *FLOAT8_RECIPES):
             raise ValueError(f"float8 must be one of {', '.join(FLOAT8_RECIPES)} or empty, got {self.float8!r}")
 
-    def for_mesh(self, cluster, *, plain: bool, ep: int) -> tuple[bool, str]:
-        """(compile, float8) for a candidate; `plain`: its ops run on plain tensors."""
-        compiled = (cluster.gpu.device == "cuda" if self.compile is None else self.compile) and plain
-        return compiled, self.float8 if plain and ep == 1 else ""
+    def for_mesh(self, cluster, mesh: MeshSpec, *, cp: int, ep: int) -> tuple[bool, str]:
+        """(compile, float8) for a candidate on `mesh` with context and expert parallel degrees `cp`, `ep`."""
+        wanted = cluster.gpu.device == "cuda" if self.compile is None else self.compile
+        compiled = wanted and not (mesh.tp_axes and (cp > 1 or ep > 1))
+        return compiled, self.float8 if not mesh.on_dtensors and ep == 1 else ""
 
 
 DEFAULT_LOWERING = Lowering()
@@ -211,7 +214,7 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                 eps = (ep,) if ep in eps else ()
             for b, e in itertools.product(_micro_batches(global_batch, dp, batch_shard), eps):
                 m = global_batch // (dp * b)
-                compiled, f8 = lowering.for_mesh(cluster, plain=not tp and (pp == 1 or n // pp == 1), ep=e)
+                compiled, f8 = lowering.for_mesh(cluster, mesh, cp=cp, ep=e)
                 speedup = cluster.gpu.fp8_gemm_speedup if f8 else 1.0
                 for pipe in _pipelines(graph, pp, space, m, schedules):
                     for rc in recomputes:

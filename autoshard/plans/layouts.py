@@ -93,6 +93,13 @@ class MeshSpec:
         return (tuple((a, d) for a, d in self.axes if a in TP_AXES), "dp" in self.names, self.degree("dp") > 1)
 
     @property
+    def on_dtensors(self) -> bool:
+        """Whether the runtime runs the blocks on DTensors: tensor-parallel axes, or pipeline stages of more than
+        one rank (runtime/pipeline.py); else on plain tensors (data parallelism and ZeRO as torchtitan runs FSDP2)."""
+        pp = self.degree("pp")
+        return bool(self.tp_axes) or (pp > 1 and self.size // pp > 1)
+
+    @property
     def tp_degree(self) -> int:
         return math.prod(self.degree(a) for a in self.tp_axes)
 

@@ -220,7 +220,7 @@ def _split_fused(name: str, args: tuple, kwargs: dict):
     parts = _equal_parts(name, args, kwargs, x.shape[dim])
     # compared whole, not by `split_factor`: a placement is an opaque value to Dynamo, whose only members it
     # reads are `dim` and `__eq__` (torch's _register_placements_as_opaque), so compiled blocks trace this
-    if parts is None or not strided == _StridedShard(dim, split_factor=parts):
+    if parts is None or not strided == _StridedShard(dim, split_factor=parts):  # noqa: SIM201 (no __ne__)
         return None
     placements = list(x.placements)
     placements[axis] = Shard(dim)
@@ -244,7 +244,6 @@ def _is_inplace(func, kwargs) -> bool:
     return "out" in kwargs or _inplace_name(getattr(func, "__name__", ""))
 
 
-@functools.cache
 def _inplace_name(name: str) -> bool:
     return name[-1:] == "_" and name[-2:] != "__"
 

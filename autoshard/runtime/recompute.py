@@ -110,6 +110,8 @@ def _checkpointed(forward, context_fn):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         fn = in_spmd if _spmd_active() else forward
+        if context_fn is None:
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
@@ -129,7 +131,7 @@ def apply_recompute(model: nn.Module, plan: Plan, *, scores: bool) -> int:
     if plan.recompute == "none":
         return 0
     if plan.recompute == "full":
-        context_fn = _noop_context
+        context_fn = None  # checkpoint's default: Dynamo traces a compiled block's checkpoint with no other
     elif scores and plan.seq:
         context_fn = functools.partial(_score_policy, plan.seq)
     else:
@@ -139,9 +141,3 @@ def apply_recompute(model: nn.Module, plan: Plan, *, scores: bool) -> int:
         block = model.get_submodule(path)
         block.forward = _checkpointed(block.forward, context_fn)
     return len(paths)
-
-
-def _noop_context():
-    from torch.utils.checkpoint import noop_context_fn
-
-    return noop_context_fn()

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
@@ -136,6 +137,23 @@ def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]):
         module._parameters.update(saved)
 
 
+def _linear_with(module: nn.Module, weights: dict[str, torch.Tensor]) -> Callable | None:
+    """The forward of `module` (an `nn.Linear`, or transformers' `Conv1D` of GPT-2) on compute-placed `weights`
+    (2D / 3D weights, part-by-part biases) passed in rather than swapped into the module: a swap mutates the
+    module inside the call's checkpoint, which Dynamo does not trace in a compiled block (a side effect inside
+    a higher-order op). None for any other module, which gets the swap (`_swapped`)."""
+    weight = weights.get("weight", module._parameters.get("weight"))
+    bias = weights.get("bias", module._parameters.get("bias"))
+    if type(module).forward is nn.Linear.forward:
+        return lambda x: F.linear(x, weight, bias)
+    if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers"):
+        def conv1d(x):  # transformers.pytorch_utils.Conv1D.forward, on the given weights
+            y = torch.addmm(bias, x.view(-1, x.size(-1)), weight)
+            return y.view(x.size()[:-1] + (module.nf,))
+        return conv1d
+    return None
+
+
 class ModuleRuntime:
     """The forward of one planned module call (installed as the module's `forward`)."""
 
@@ -183,6 +201,10 @@ class ModuleRuntime:
                 weights = {n: redistribute(w, self.compute_placements[n])
                            for n, w in zip(weight_names, tensors[len(act_pos):], strict=True)}
                 a, kw = unflatten_call(local_flat, tree)
+                plain = isinstance(self.compute, functools.partial) and self.compute.func is type(self.module).forward
+                direct = _linear_with(self.module, weights) if weights and plain else None
+                if direct is not None:
+                    return direct(*a, **kw)
                 with _swapped(self.module, weights):
                     return self.compute(*a, **kw)
 

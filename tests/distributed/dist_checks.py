@@ -108,6 +108,10 @@ def _parallelize(model: nn.Module, case: dict, x: torch.Tensor) -> nn.Module:
 
 
 def _one_case(case: dict) -> dict:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # an earlier case's graphs would serve this one's blocks: count this case's own
+    graphs_before = counters["stats"]["unique_graphs"]
     name, batch = case["model"], case["batch"]
     model = build(name)
     ref = copy.deepcopy(model)
@@ -142,6 +146,7 @@ def _one_case(case: dict) -> dict:
     result["param_excess"], result["param_excess_at"] = bound.excess(got, ref_params)
     lx, ly = pmodel.shard_inputs((x, y))
     result["comm"] = measure_step_comm(lambda: loss_of(name, pmodel(lx), ly).backward())
+    result["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs_before  # Dynamo's, this case's
     return result
 
 

@@ -32,8 +32,11 @@ CASES: dict[str, tuple[str, int, dict, str, int, int, dict]] = {
     # pp=4: one chunk per rank (4 blocks), two per rank (8 blocks); 4 micro-batches of 1
     "llama-pp4-gpipe": ("llama", 4, {"pp": 4}, "replicate", 4, 1, {"schedule": "gpipe"}),
     "llama-pp4-1f1b": ("llama", 4, {"pp": 4}, "replicate", 4, 1, {"schedule": "1f1b"}),
-    # one-rank stages with compiled blocks (runtime/compile.py; stages of several ranks run on DTensors: refused)
+    # compiled blocks (runtime/compile.py): one-rank stages on plain tensors, and stages of two ranks on
+    # DTensors with sequence parallelism
     "llama-pp4-1f1b-compiled": ("llama", 4, {"pp": 4}, "replicate", 4, 1, {"schedule": "1f1b", "compile": True}),
+    "llama-pp2-tp2-sp-gpipe-compiled": ("llama", 4, {"pp": 2, "tp": 2}, "megatron-sp", 4, 2,
+                                        {"schedule": "gpipe", "compile": True}),
     "gpt2-pp4-interleaved-1f1b": ("gpt2", 8, {"pp": 4}, "replicate", 4, 1,
                                   {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
     "llama-pp4-looped-bfs": ("llama", 8, {"pp": 4}, "replicate", 4, 1,
@@ -117,7 +120,7 @@ def _public_api_wired() -> bool:
 # and compiled one-rank stages (compiled blocks are checked in the quick suite by test_runtime_families.py)
 LONG = {"llama-pp4-looped-bfs", "llama-pp2-dp2-interleaved-1f1b", "gpt2-pp2-dp2-looped-bfs",
         "llama-pp2-tp2-interleaved-1f1b", "gpt2-pp2-dp2-zero3-interleaved-1f1b", "llama-pp2-dp2-zero3-looped-bfs",
-        "llama-pp4-1f1b-compiled"}
+        "llama-pp4-1f1b-compiled", "llama-pp2-tp2-sp-gpipe-compiled"}
 
 
 def _params(cases):
