@@ -589,8 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="attention kernel priced for zoo and spec models (default auto: flash for decoders, "
                          "the model's own otherwise)")
     pl.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                    help="torch.compile every repeated block where the runtime can (plans without tensor "
-                         "parallelism or multi-rank pipeline stages): auto (default) on GPU clusters, off on CPU "
+                    help="torch.compile every repeated block where the runtime can (all plans but context or "
+                         "expert parallelism with tensor parallelism): auto (default) on GPU clusters, off on CPU "
                          "ranks; priced as fused kernels and a host cost per compiled graph")
     pl.add_argument("--float8", choices=("tensorwise", "rowwise"), default=None,
                     help="train the block Linears in float8 (torchao; H100/H200 clusters only) where the runtime "
