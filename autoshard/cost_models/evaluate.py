@@ -59,7 +59,7 @@ from autoshard.plans.layouts import BATCH, FEAT, SEQ, Layout
 from autoshard.plans.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.plans.strategies import same_strategy
 
-__all__ = ["compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
+__all__ = ["cached_chunk_outputs_bytes", "held_per_stage", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
            "stage_units", "recompute_stops_before", "optimizer_s", "optimizer_step_host_s", "edge_step_s", "edge_time_s",
@@ -271,6 +271,7 @@ class _Stage:
     loss_bytes: float = 0.0  # cross-entropy buffers at the start of backward (last stage)
     recompute_peak: float = 0.0  # one block's activations, re-materialized in its backward
     p2p: float = 0.0  # seconds it waits for pipeline receives per micro-batch (`_boundaries`)
+    cached: float = 0.0  # bytes of its chunks' outputs the schedule keeps per micro-batch (`_boundaries`)
     tp_hidden: float = 0.0  # of `tp`, what runs beside weight-gradient GEMMs (tp_overlap "backward")
     host_fwd: float = 0.0  # GPUs: host seconds issuing a micro-batch's forward (cost_models/host.py)
     host_bwd: float = 0.0  # ... and its backward with recompute
@@ -494,6 +495,36 @@ def cut_bytes(graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, p
     return [sent for sent, _, _ in cut_sends(graph, assign, ctx, pipe)]
 
 
+def cached_chunk_outputs_bytes(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec) -> list[float]:
+    """Per stage, bytes of its chunks' outputs torch.distributed.pipelining keeps per micro-batch in flight: a
+    stage holds each chunk forward's output until that micro-batch's backward (stage.py `fwd_cache`, which keeps
+    the output tuple for the backward's `torch.autograd.backward(outputs, grads)`), an activation no op of the
+    chunk saves (the last block's residual sum). What one rank holds is what it sends (`cut_sends`: the
+    tensor-parallel rank's slice, taken as a copy); without an assignment, as here for the ILP's constant rows,
+    the hidden states / the tensor-parallel degree, what 1D sends with or without sequence parallelism. With v
+    chunks per stage, `inflight_microbatches` counts v chunk forwards per micro-batch, and at the peak those in
+    flight are of the stage's earlier chunks (the warm-up runs them first; the last chunk's forward is followed by
+    its backward at once): each counts as the stage's largest send, v times it per micro-batch. Measured on 4 gloo
+    ranks (tests/distributed/test_pipeline.py): 1F1B, GPipe and interleaved 1F1B, with 1D tensor parallelism.
+    Not here: the last chunk's output (the logits), which the loss holds (`loss_per_stage`)."""
+    if pipe.degree == 1:
+        return [0.0]
+    tp = ctx.mesh.tp_degree
+    sends = [max((tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / tp
+                  for _, c_src, c_dst, meta in _boundary_edges(graph, pipe) if c_src == c and c_dst == c + 1),
+                 default=0.0) for c in range(pipe.degree * pipe.virtual_stages - 1)]
+    return held_per_stage(sends, pipe)
+
+
+def held_per_stage(sends: list[float], pipe: PipelineSpec) -> list[float]:
+    """Per stage, cached chunk-output bytes per micro-batch in flight from each cut's send (chunk c -> c + 1,
+    sent by stage c mod p): v times the stage's largest (`cached_chunk_outputs_bytes`)."""
+    out = [0.0] * pipe.degree
+    for c, sent in enumerate(sends):
+        out[c % pipe.degree] = max(out[c % pipe.degree], pipe.virtual_stages * sent)
+    return out
+
+
 def _boundaries(graph, assign, ctx, pipe, stages) -> None:
     """What a stage waits for at chunk boundaries, per micro-batch: the hidden states of each chunk it holds
     arriving across the cut before it (forward) and their gradient across the cut after it (backward); its own
@@ -501,10 +532,14 @@ def _boundaries(graph, assign, ctx, pipe, stages) -> None:
     (torch.distributed.pipelining posts and waits each receive right before the compute that needs it). So
     inner stages wait for two transfers per chunk, the first and last stage of the pipeline for one. Plus the
     tensor-parallel all-gathers of scattered sends (`cut_sends`): the receiver's of the hidden states in
-    forward, the sender's of their gradient in backward."""
+    forward, the sender's of their gradient in backward. And memory: the sender keeps what it sends (its
+    chunk's output) until that micro-batch's backward (`cached_chunk_outputs_bytes`)."""
     if pipe.degree == 1:
         return
-    for c, (sent, whole, gather) in enumerate(cut_sends(graph, assign, ctx, pipe)):
+    sends = cut_sends(graph, assign, ctx, pipe)
+    for st, cached in zip(stages, held_per_stage([sent for sent, _, _ in sends], pipe), strict=True):
+        st.cached = cached
+    for c, (sent, whole, gather) in enumerate(sends):
         sender, receiver = stages[c % pipe.degree], stages[(c + 1) % pipe.degree]
         wait = ctx.p2p_s(sent)
         sender.p2p += wait
@@ -618,7 +653,7 @@ def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) 
     groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
     out = []
     for i, st in enumerate(stages):
-        acts = st.saved * inflight_microbatches(i, pipe, m) + st.recompute_peak
+        acts = (st.saved + st.cached) * inflight_microbatches(i, pipe, m) + st.recompute_peak
         transient = 2 * st.transient + st.loss_bytes
         dynamic = acts + transient  # allocated and freed every step: what fragments the allocator's pool
         out.append(st.memory + MemoryBreakdown(activations_bytes=acts, transient_bytes=transient,

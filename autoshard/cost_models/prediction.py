@@ -11,13 +11,21 @@ from dataclasses import replace
 
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.context import PlanContext, default_precision
-from autoshard.cost_models.evaluate import Evaluation, cut_bytes, evaluate
+from autoshard.cost_models.evaluate import (
+    Evaluation,
+    cut_bytes,
+    cut_sends,
+    evaluate,
+    held_per_stage,
+    inflight_microbatches,
+)
 from autoshard.cost_models.template import template_for
 from autoshard.plans.contract import expert_ops, kv_head_fraction
 from autoshard.plans.plan import Plan
 from autoshard.plans.strategies import same_strategy
 
 __all__ = ["context_for", "priced_graph", "evaluate_plan", "predicted_step_comm", "predicted_p2p_bytes",
+           "predicted_cached_output_bytes",
            "predicted_param_bytes"]
 
 
@@ -83,6 +91,18 @@ def predicted_step_comm(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) 
     if sent:
         out["p2p"] += sent
     return dict(out)
+
+
+def predicted_cached_output_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
+    """Bytes of chunk outputs one rank of pipeline stage `stage` keeps for backward at its peak
+    (`evaluate.cached_chunk_outputs_bytes`, from what it sends across each cut, `evaluate.cut_sends`)."""
+    pipe = plan.pipeline
+    if pipe.degree == 1:
+        return 0.0
+    graph = priced_graph(plan, graph)
+    sends = cut_sends(graph, {p.op: p.strategy for p in plan.ops}, context_for(plan, cluster, graph), pipe)
+    held = held_per_stage([sent for sent, _, _ in sends], pipe)[stage]
+    return held * inflight_microbatches(stage, pipe, plan.num_microbatches)
 
 
 def predicted_p2p_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:

@@ -45,7 +45,9 @@ Constraints
                                                                        host work
     R_k >= trans[o,s] x[o,s]  for o in stage k                         largest gathered buffer  (`_memory`)
     sum_o sum_s (n_k(o)·(state + f·inflight_k·saved) + f·peak)[o,s] x[o,s] + 2f·R_k + f·L_k + other <= cap
-                                                                       (`_memory`; L_k: the loss's buffers)
+                                                                       (`_memory`; L_k: the loss's buffers and
+                                                                       inflight_k chunk outputs the schedule
+                                                                       keeps, `fixed_stage_rows`)
       (f = 1 + allocator fragmentation, on what is allocated every step)
       (peak: a recomputed block's activations, live while that one block runs backward)
     placements of a shared parameter agree across the ops that use it                        (`_tied_params`)
@@ -78,6 +80,7 @@ import pulp
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.evaluate import (
+    cached_chunk_outputs_bytes,
     compiled_graphs_host_s,
     edge_time_s,
     inflight_microbatches,
@@ -402,10 +405,13 @@ def _whole_blocks(lp, graph: OpGraph, tg: TemplateGraph, strategies, x) -> None:
 def fixed_stage_rows(graph: OpGraph, tg: TemplateGraph, stage: dict[str, int], ctx: PlanContext,
                      pipe: PipelineSpec, p2p_bytes: float = 0.0) -> tuple[list[float], list[float]]:
     """Per pipeline stage: (seconds its time row pays whatever the strategies: p2p sends and the loss both
-    ways; bytes the loss holds). The search's lower bounds (`candidate_bound.py`) use the same rows."""
+    ways; bytes the loss and the schedule's cached chunk outputs hold, `cached_chunk_outputs_bytes` per micro-batch
+    in flight). The search's lower bounds (`candidate_bound.py`) use the same rows."""
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
     p2p = 2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0
-    return [p2p + 2 * t for t in loss_time], loss_bytes
+    cached = cached_chunk_outputs_bytes(graph, ctx, pipe)
+    held = [b + cached[k] * inflight_microbatches(k, pipe, ctx.num_microbatches) for k, b in enumerate(loss_bytes)]
+    return [p2p + 2 * t for t in loss_time], held
 
 
 def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategies: dict[str, list[OpStrategy]],

@@ -214,6 +214,41 @@ def _gathers_case(case: dict) -> dict:
     return {"case": case["id"], "comm": measure_step_comm(lambda: train_step(pm, (lx,), ly)), "stage": stage}
 
 
+def _held_case(case: dict) -> dict:
+    """Bytes of the chunk outputs torch.distributed.pipelining's stages keep for backward (`fwd_cache`), at
+    their most during a second train_step, the last chunk's (the logits) aside: distinct storages, so a slice
+    that keeps its whole base counts whole."""
+    from autoshard.runtime.pipeline_train import train_step
+
+    x, y = batch(case["model"], case["batch"])
+    pm = _parallelize(build_model(case["model"], case["layers"]), case, x)
+    lx, ly = pm.shard_inputs((x, y))
+    train_step(pm, (lx,), ly)
+    pm.zero_grad()
+    stages, peak = pm._autoshard_pipeline.stages, [0]
+
+    def held() -> int:
+        storages = {}
+        for st in stages:
+            if st.is_last:
+                continue  # the logits: the loss's (cost_models/evaluate.py `loss_per_stage`)
+            for out, _ in st.fwd_cache.values():
+                for t in out:
+                    if isinstance(t, torch.Tensor):
+                        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    for st in stages:
+        def forward_one_chunk(*a, _orig=st.forward_one_chunk, **k):
+            out = _orig(*a, **k)
+            peak[0] = max(peak[0], held())
+            return out
+        st.forward_one_chunk = forward_one_chunk
+    train_step(pm, (lx,), ly)
+    return {"case": case["id"], "held_bytes": peak[0], "stage": pm.mesh.get_local_rank("pp")}
+
+
 def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Run every case on this rank (all ranks run the same cases in the same order)."""
-    return [_gathers_case(c) if c.get("kind") == "gathers" else _grads_case(c) for c in cases]
+    run = {"gathers": _gathers_case, "held": _held_case}
+    return [run.get(c.get("kind"), _grads_case)(c) for c in cases]

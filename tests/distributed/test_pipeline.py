@@ -88,6 +88,18 @@ GATHER_CASES = {"layered-1mb": ("looped-bfs", 2), "layered-2mb": ("looped-bfs", 
 PIPELINED_ZERO_CASES = {2: ("gpt2", "gpt2-pp2-dp2-zero2-4mb"), 3: ("llama", "llama-pp2-dp2-zero3-4mb")}
 
 
+# chunk outputs the schedule keeps for backward (evaluate.cached_chunk_outputs_bytes), at their most on each rank:
+# 1F1B (p - stage in flight), GPipe (all m), interleaved (v chunks per stage), 1D tensor parallelism (each rank
+# keeps the slice it sends). id -> (model, layers, mesh degrees, family, global batch, micro-batch, options)
+HELD_CASES = {
+    "held-llama-pp4-1f1b": ("llama", 4, {"pp": 4}, "replicate", 8, 1, {"schedule": "1f1b"}),
+    "held-llama-pp4-gpipe": ("llama", 4, {"pp": 4}, "replicate", 8, 1, {"schedule": "gpipe"}),
+    "held-llama-pp2-dp2-interleaved": ("llama", 8, {"pp": 2, "dp": 2}, "replicate", 16, 1,
+                                       {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
+    "held-gpt2-pp2-tp2-1f1b": ("gpt2", 4, {"pp": 2, "tp": 2}, "megatron", 8, 1, {"schedule": "1f1b"}),
+}
+
+
 @functools.cache
 def _graph(model: str, layers: int):
     from autoshard.capture import capture
@@ -146,6 +158,8 @@ def _world(long: bool) -> dict[str, list[dict]]:
     for zero, (model, case_id) in PIPELINED_ZERO_CASES.items() if not long else ():
         cases.append({**_case(case_id, model, 4, {"pp": 2, "dp": 2}, "replicate", 8, 1,
                               {"schedule": "1f1b", "zero": zero}), "kind": "gathers"})
+    for case_id, spec in HELD_CASES.items() if not long else ():
+        cases.append({**_case(case_id, *spec), "kind": "held"})
     per_rank = run_world(pipeline_cases, WORLD, cases, timeout_s=420)
     return {r["case"]: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
 
@@ -345,3 +359,17 @@ def test_schedule_and_micro_batches_are_checked_before_any_collective(schedule, 
                               schedule=schedule, virtual_stages=virtual_stages)
     with pytest.raises(ConfigurationError, match=message):
         _check_schedule(plan)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case_id", list(HELD_CASES))
+def test_a_stage_keeps_the_chunk_outputs_it_sends_for_every_micro_batch_in_flight_as_priced(case_id):
+    from autoshard.cost_models.prediction import predicted_cached_output_bytes
+    from autoshard.hardware_profiles.cluster import ClusterSpec
+
+    case = _case(case_id, *HELD_CASES[case_id])
+    cluster = ClusterSpec.parse(f"1x{WORLD}xcpu")
+    for r in _results(case_id):
+        predicted = predicted_cached_output_bytes(case["plan"], case["graph"], cluster, stage=r["stage"])
+        print(f"{case_id} stage {r['stage']}: held {r['held_bytes']} predicted {predicted:.0f}")
+        assert r["held_bytes"] == predicted
