@@ -15,6 +15,8 @@ from autoshard.planner.estimate import HandConfig, estimate
 from autoshard.plans.layouts import MeshSpec
 from autoshard.plans.strategies import strategies_for
 
+TINY_LLAMA_SPEC = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
+
 LLAMA = "llama:layers=4,hidden=256,heads=4,ffn=688,seq=128,vocab=512"
 
 
@@ -230,6 +232,24 @@ def test_a_pipelines_last_stage_holds_its_own_copy_of_a_tied_embedding():
     held = sum(m.params_bytes for m in two.stage_memory)
     assert held == pytest.approx(one.stage_memory[0].params_bytes + embedding)
     assert two.op_costs["lm_head"].param_bytes == embedding and one.op_costs["lm_head"].param_bytes == 0
+
+
+def test_torch_pipelining_keeps_each_in_flight_chunk_output_and_megatrons_schedules_free_it(llama):
+    """torch.distributed.pipelining holds a chunk's output until its backward (stage.py fwd_cache; measured in
+    tests/distributed/test_pipeline.py); Megatron's `deallocate_output_tensor` frees it once sent. 1F1B on
+    4 stages: the first stage has 4 micro-batches in flight, each holding the 1/t slice it sent."""
+    from autoshard.api import capture_ref
+
+    graph, cluster = capture_ref(TINY_LLAMA_SPEC), ClusterSpec.parse("1x8xA100-80GB")
+    kw = dict(tp=2, pp=4, dp=1, micro_batch=1, global_batch=8)
+
+    def activations(**options) -> list[float]:
+        return [m.activations_bytes for m in estimate(graph, cluster, HandConfig(**kw, **options))[1].stage_memory]
+
+    kept, freed = activations(), activations(deallocate_pipeline_outputs=True)
+    sent = 32 * 64 * 2 / 2  # seq x hidden x bf16 / tp, one sample
+    assert [k - f for k, f in zip(kept, freed, strict=True)] == pytest.approx([4 * sent, 3 * sent, 2 * sent, 0.0])
+    assert activations(fused_kernels=True) == activations(fused_kernels=True, deallocate_pipeline_outputs=True)
 
 
 def test_gradients_are_added_only_from_the_second_micro_batch_and_only_to_what_the_runtime_keeps(llama):

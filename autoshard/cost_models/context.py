@@ -61,6 +61,9 @@ class PlanContext:
     # every repeated block `torch.compile`d (torchtitan's `--compile`, the runtime's `compile=True`): its
     # pointwise ops as fused kernels, its host cost per compiled graph and kernel (cost_models/host.py)
     compile: bool = False
+    # pipeline stages free a chunk output once sent (True), keep it until its backward (False); None: as the
+    # engine the other fields describe (`pipeline_keeps_outputs`)
+    deallocate_pipeline_outputs: bool | None = None
     # float8 training of the block Linears: "" none, "tensorwise" or "rowwise" (cost_models/float8.py)
     float8: str = ""
     allocator: str = "expandable"  # PyTorch CUDA allocator mode (cost_models/memory.py ALLOCATOR_FRAGMENTATION)
@@ -127,6 +130,18 @@ class PlanContext:
         modules so. Measured on gloo ranks (pp 2 x dp 2, GPT-2, 2 and 4 micro-batches): one reduce-scatter
         per step at ZeRO-2 and -3, and m + 1 ZeRO-3 all-gathers (tests/distributed/test_pipeline.py)."""
         return self.mesh.degree("pp") > 1
+
+    @property
+    def pipeline_keeps_outputs(self) -> bool:
+        """A pipeline stage keeps each in-flight micro-batch's chunk output until its backward: torch.distributed.
+        pipelining (autoshard's runtime, torchtitan; stage.py `fwd_cache`), measured (evaluate.
+        `cached_chunk_outputs_bytes`). Not Megatron's schedules (the engines of `--fused-kernels` or
+        `--tp-comm-overlap`): `deallocate_output_tensor` replaces an output's data by a scalar once it is sent,
+        keeping only its autograd graph (Megatron-LM pipeline_parallel/schedules.py). `deallocate_pipeline_outputs`
+        says it outright."""
+        if self.deallocate_pipeline_outputs is not None:
+            return not self.deallocate_pipeline_outputs
+        return not (self.fused_pointwise or self.tp_overlap)
 
     def compiled(self, op) -> bool:
         """Whether `op` runs inside a compiled block (a repeated block's op under `compile`)."""

@@ -507,8 +507,8 @@ def cached_chunk_outputs_bytes(graph: OpGraph, ctx: PlanContext, pipe: PipelineS
     its backward at once): each counts as the stage's largest send, v times it per micro-batch. Measured on 4 gloo
     ranks (tests/distributed/test_pipeline.py): 1F1B, GPipe and interleaved 1F1B, with 1D tensor parallelism.
     Not here: the last chunk's output (the logits), which the loss holds (`loss_per_stage`)."""
-    if pipe.degree == 1:
-        return [0.0]
+    if pipe.degree == 1 or not ctx.pipeline_keeps_outputs:
+        return [0.0] * pipe.degree
     tp = ctx.mesh.tp_degree
     sends = [max((tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / tp
                   for _, c_src, c_dst, meta in _boundary_edges(graph, pipe) if c_src == c and c_dst == c + 1),
@@ -537,8 +537,9 @@ def _boundaries(graph, assign, ctx, pipe, stages) -> None:
     if pipe.degree == 1:
         return
     sends = cut_sends(graph, assign, ctx, pipe)
-    for st, cached in zip(stages, held_per_stage([sent for sent, _, _ in sends], pipe), strict=True):
-        st.cached = cached
+    if ctx.pipeline_keeps_outputs:
+        for st, cached in zip(stages, held_per_stage([sent for sent, _, _ in sends], pipe), strict=True):
+            st.cached = cached
     for c, (sent, whole, gather) in enumerate(sends):
         sender, receiver = stages[c % pipe.degree], stages[(c + 1) % pipe.degree]
         wait = ctx.p2p_s(sent)

@@ -97,10 +97,11 @@ def predicted_cached_output_bytes(plan: Plan, graph: OpGraph, cluster, *, stage:
     """Bytes of chunk outputs one rank of pipeline stage `stage` keeps for backward at its peak
     (`evaluate.cached_chunk_outputs_bytes`, from what it sends across each cut, `evaluate.cut_sends`)."""
     pipe = plan.pipeline
-    if pipe.degree == 1:
-        return 0.0
     graph = priced_graph(plan, graph)
-    sends = cut_sends(graph, {p.op: p.strategy for p in plan.ops}, context_for(plan, cluster, graph), pipe)
+    ctx = context_for(plan, cluster, graph)
+    if pipe.degree == 1 or not ctx.pipeline_keeps_outputs:
+        return 0.0
+    sends = cut_sends(graph, {p.op: p.strategy for p in plan.ops}, ctx, pipe)
     held = held_per_stage([sent for sent, _, _ in sends], pipe)[stage]
     return held * inflight_microbatches(stage, pipe, plan.num_microbatches)
 

@@ -65,6 +65,9 @@ class HandConfig:
     allocator: str = "expandable"  # PyTorch CUDA allocator mode: expandable (segments) or caching (default)
     compile: bool = False  # every repeated block torch.compile'd (torchtitan --compile; the runtime's compile=True)
     float8: str = ""  # float8 training of the block Linears: "", "tensorwise" or "rowwise" (cost_models/float8.py)
+    # pipeline stages free each chunk output once sent (Megatron) or keep it to its backward (torch pipelining);
+    # None: as the engine the other options describe (PlanContext.pipeline_keeps_outputs)
+    deallocate_pipeline_outputs: bool | None = None
     # another engine's training precision (cost_models.memory.PRECISIONS: "bf16-mixed-16bit-grads" for DeepSpeed's
     # and Megatron's fp16 engines); None: what autoshard's runtime runs on the cluster (context.default_precision)
     precision: str | None = None
@@ -226,7 +229,7 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
                       fused_pointwise=cfg.fused_kernels, fused_loss=cfg.fused_loss, loss_parallel=cfg.loss_parallel,
                       zero_impl=cfg.zero_impl,
                       tp_overlap=cfg.tp_comm_overlap, allocator=cfg.allocator, compile=cfg.compile,
-                      float8=cfg.float8)
+                      float8=cfg.float8, deallocate_pipeline_outputs=cfg.deallocate_pipeline_outputs)
     assign = megatron_assignment(graph, priced, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
                                  zero=cfg.zero)
     stage_layers = _stage_layers(graph, cfg.pp, cfg.virtual_stages)
