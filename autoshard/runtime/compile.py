@@ -6,6 +6,13 @@ and before FSDP2 (torchtitan's `apply_compile` between `apply_ac` and `apply_fsd
 backward become Inductor graphs with fused pointwise kernels, FSDP2's hooks stay outside them. Graph breaks are
 allowed (a model's own code may have some); each is a second graph of its own, not an error.
 
+On DTensors (tensor-parallel axes, pipeline stages of several ranks) Dynamo traces the runtime's own tensor-
+parallel code into the block's graph: the redistributions around each planned module, the checkpoint that
+regathers a sequence-parallel input, DTensor's dispatch (the model's code stays on DTensors: local_shards.py
+`compiled_blocks`); a block whose parameters share one zero level is one FSDP unit on the block module itself
+(data_parallel.py `_as_block`), so that FSDP2's hooks sit at the graph's edge. `check_compile_plan` refuses what
+still breaks a block's graph there.
+
 Float8 (`Plan.float8`): torchao's `convert_to_float8_training` swaps the Linears inside the repeated blocks for
 `Float8Linear`s before anything else is applied (torchtitan's model converters run before `parallelize`); the
 head stays in 16 bits (torchtitan's `filter_fqns = ["output"]`), and so does any Linear whose dims are not
