@@ -237,7 +237,8 @@ def test_a_pipelines_last_stage_holds_its_own_copy_of_a_tied_embedding():
 def test_torch_pipelining_keeps_each_in_flight_chunk_output_and_megatrons_schedules_free_it(llama):
     """torch.distributed.pipelining holds a chunk's output until its backward (stage.py fwd_cache; measured in
     tests/distributed/test_pipeline.py); Megatron's `deallocate_output_tensor` frees it once sent. 1F1B on
-    4 stages: the first stage has 4 micro-batches in flight, each holding the 1/t slice it sent."""
+    4 stages: the first stage has 4 micro-batches in flight, each holding the 1/t slice it sent; the last holds
+    one micro-batch's logits."""
     from autoshard.api import capture_ref
 
     graph, cluster = capture_ref(TINY_LLAMA_SPEC), ClusterSpec.parse("1x8xA100-80GB")
@@ -248,7 +249,8 @@ def test_torch_pipelining_keeps_each_in_flight_chunk_output_and_megatrons_schedu
 
     kept, freed = activations(), activations(deallocate_pipeline_outputs=True)
     sent = 32 * 64 * 2 / 2  # seq x hidden x bf16 / tp, one sample
-    assert [k - f for k, f in zip(kept, freed, strict=True)] == pytest.approx([4 * sent, 3 * sent, 2 * sent, 0.0])
+    logits = 32 * 128 * 2  # seq x vocab x bf16, whole on every tensor-parallel rank, one micro-batch under 1F1B
+    assert [k - f for k, f in zip(kept, freed, strict=True)] == pytest.approx([4 * sent, 3 * sent, 2 * sent, logits])
     assert activations(fused_kernels=True) == activations(fused_kernels=True, deallocate_pipeline_outputs=True)
 
 

@@ -59,7 +59,7 @@ from autoshard.plans.layouts import BATCH, FEAT, SEQ, Layout
 from autoshard.plans.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.plans.strategies import same_strategy
 
-__all__ = ["cached_chunk_outputs_bytes", "held_per_stage", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
+__all__ = ["cached_chunk_outputs_bytes", "cached_logits_bytes", "held_per_stage", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
            "stage_units", "recompute_stops_before", "optimizer_s", "optimizer_step_host_s", "edge_step_s", "edge_time_s",
@@ -272,6 +272,7 @@ class _Stage:
     recompute_peak: float = 0.0  # one block's activations, re-materialized in its backward
     p2p: float = 0.0  # seconds it waits for pipeline receives per micro-batch (`_boundaries`)
     cached: float = 0.0  # bytes of its chunks' outputs the schedule keeps per micro-batch (`_boundaries`)
+    logits: float = 0.0  # bytes of the model's outputs it keeps for backward (`cached_logits_bytes`)
     tp_hidden: float = 0.0  # of `tp`, what runs beside weight-gradient GEMMs (tp_overlap "backward")
     host_fwd: float = 0.0  # GPUs: host seconds issuing a micro-batch's forward (cost_models/host.py)
     host_bwd: float = 0.0  # ... and its backward with recompute
@@ -337,10 +338,11 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree, assign)
+    logits = cached_logits_bytes(graph, tg.outputs, stage, ctx, pipe, assign)
     for k, st in enumerate(stages):
         st.fwd += loss_time[k]
         st.bwd += loss_time[k]
-        st.loss_bytes = loss_bytes[k]
+        st.loss_bytes, st.logits = loss_bytes[k], logits[k]
     units = stage_units(graph, pipe, stage)
     for k, st in enumerate(stages):
         st.units = units[k]
@@ -429,6 +431,26 @@ def loss_per_stage(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanCont
                 # forward only: `secs` is charged each way, so half of it each way
                 secs[stage[name]] += 3 * ctx.redistribute_s("all_reduce", 4 * tokens, axes) / 2
     return secs, nbytes
+
+
+def cached_logits_bytes(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanContext, pipe: PipelineSpec,
+                        assign: dict[str, OpStrategy] | None = None) -> list[float]:
+    """Per stage, bytes of the model's outputs (the logits the loss reads) the last stage keeps for backward: as
+    any chunk output (`cached_chunk_outputs_bytes`), for each micro-batch whose last chunk has run forward and not
+    yet backward: all m under GPipe and layered accumulation, one under 1F1B (its backward follows at once). At
+    the outputs' precision, on each rank's vocabulary shard under `loss_parallel`. Measured with the chunk
+    outputs (tests/distributed/test_pipeline.py: GPipe's last stage 8 x, 1F1B's 1 x the logits). Not the loss's
+    own buffers (`loss_per_stage`), priced for one micro-batch."""
+    out = [0.0] * pipe.degree
+    if pipe.degree == 1 or not ctx.pipeline_keeps_outputs:
+        return out
+    inflight = ctx.num_microbatches if pipe.schedule == "gpipe" or pipe.layered else 1
+    for name in outputs:
+        meta = graph.op(name).output_meta
+        if _has_loss(meta):
+            shards = vocab_shards(assign[name].output, ctx) if assign is not None else 1
+            out[stage[name]] += inflight * meta.numel * ctx.micro_batch * ctx.precision.act_bytes / shards
+    return out
 
 
 def stage_units(graph: OpGraph, pipe: PipelineSpec, stage: dict[str, int]) -> list[int]:
@@ -654,7 +676,7 @@ def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) 
     groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
     out = []
     for i, st in enumerate(stages):
-        acts = (st.saved + st.cached) * inflight_microbatches(i, pipe, m) + st.recompute_peak
+        acts = (st.saved + st.cached) * inflight_microbatches(i, pipe, m) + st.recompute_peak + st.logits
         transient = 2 * st.transient + st.loss_bytes
         dynamic = acts + transient  # allocated and freed every step: what fragments the allocator's pool
         out.append(st.memory + MemoryBreakdown(activations_bytes=acts, transient_bytes=transient,

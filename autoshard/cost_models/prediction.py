@@ -13,6 +13,7 @@ from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.context import PlanContext, default_precision
 from autoshard.cost_models.evaluate import (
     Evaluation,
+    cached_logits_bytes,
     cut_bytes,
     cut_sends,
     evaluate,
@@ -25,7 +26,7 @@ from autoshard.plans.plan import Plan
 from autoshard.plans.strategies import same_strategy
 
 __all__ = ["context_for", "priced_graph", "evaluate_plan", "predicted_step_comm", "predicted_p2p_bytes",
-           "predicted_cached_output_bytes",
+           "predicted_cached_output_bytes", "predicted_cached_logits_bytes",
            "predicted_param_bytes"]
 
 
@@ -104,6 +105,18 @@ def predicted_cached_output_bytes(plan: Plan, graph: OpGraph, cluster, *, stage:
     sends = cut_sends(graph, {p.op: p.strategy for p in plan.ops}, ctx, pipe)
     held = held_per_stage([sent for sent, _, _ in sends], pipe)[stage]
     return held * inflight_microbatches(stage, pipe, plan.num_microbatches)
+
+
+def predicted_cached_logits_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
+    """Bytes of the model's outputs one rank of pipeline stage `stage` keeps for backward at its peak
+    (`evaluate.cached_logits_bytes`)."""
+    from autoshard.cost_models.template import template_for
+
+    graph = priced_graph(plan, graph)
+    tg, stages = template_for(graph, plan.pipeline)
+    ctx = context_for(plan, cluster, graph)
+    assign = {p.op: p.strategy for p in plan.ops}
+    return cached_logits_bytes(graph, tg.outputs, stages, ctx, plan.pipeline, assign)[stage]
 
 
 def predicted_p2p_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:

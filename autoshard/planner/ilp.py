@@ -81,6 +81,7 @@ from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.evaluate import (
     cached_chunk_outputs_bytes,
+    cached_logits_bytes,
     compiled_graphs_host_s,
     edge_time_s,
     inflight_microbatches,
@@ -410,7 +411,9 @@ def fixed_stage_rows(graph: OpGraph, tg: TemplateGraph, stage: dict[str, int], c
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
     p2p = 2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0
     cached = cached_chunk_outputs_bytes(graph, ctx, pipe)
-    held = [b + cached[k] * inflight_microbatches(k, pipe, ctx.num_microbatches) for k, b in enumerate(loss_bytes)]
+    logits = cached_logits_bytes(graph, tg.outputs, stage, ctx, pipe)
+    held = [b + logits[k] + cached[k] * inflight_microbatches(k, pipe, ctx.num_microbatches)
+            for k, b in enumerate(loss_bytes)]
     return [p2p + 2 * t for t in loss_time], held
 
 

@@ -216,7 +216,7 @@ def _gathers_case(case: dict) -> dict:
 
 def _held_case(case: dict) -> dict:
     """Bytes of the chunk outputs torch.distributed.pipelining's stages keep for backward (`fwd_cache`), at
-    their most during a second train_step, the last chunk's (the logits) aside: distinct storages, so a slice
+    their most during a second train_step, the last chunk's (the logits) apart: distinct storages, so a slice
     that keeps its whole base counts whole."""
     from autoshard.runtime.pipeline_train import train_step
 
@@ -225,13 +225,13 @@ def _held_case(case: dict) -> dict:
     lx, ly = pm.shard_inputs((x, y))
     train_step(pm, (lx,), ly)
     pm.zero_grad()
-    stages, peak = pm._autoshard_pipeline.stages, [0]
+    stages, peak, peak_logits = pm._autoshard_pipeline.stages, [0], [0]
 
-    def held() -> int:
+    def held(last: bool) -> int:
         storages = {}
         for st in stages:
-            if st.is_last:
-                continue  # the logits: the loss's (cost_models/evaluate.py `loss_per_stage`)
+            if st.is_last != last:
+                continue  # the last chunk's outputs (the logits) apart: cost_models/evaluate.py `cached_logits_bytes`
             for out, _ in st.fwd_cache.values():
                 for t in out:
                     if isinstance(t, torch.Tensor):
@@ -241,11 +241,12 @@ def _held_case(case: dict) -> dict:
     for st in stages:
         def forward_one_chunk(*a, _orig=st.forward_one_chunk, **k):
             out = _orig(*a, **k)
-            peak[0] = max(peak[0], held())
+            peak[0], peak_logits[0] = max(peak[0], held(False)), max(peak_logits[0], held(True))
             return out
         st.forward_one_chunk = forward_one_chunk
     train_step(pm, (lx,), ly)
-    return {"case": case["id"], "held_bytes": peak[0], "stage": pm.mesh.get_local_rank("pp")}
+    return {"case": case["id"], "held_bytes": peak[0], "held_logits_bytes": peak_logits[0],
+            "stage": pm.mesh.get_local_rank("pp")}
 
 
 def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
