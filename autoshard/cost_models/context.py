@@ -162,9 +162,8 @@ class PlanContext:
     @property
     def on_dtensors(self) -> bool:
         """The runtime runs the ops on DTensors: with tensor-parallel axes, and in pipeline stages that span
-        more than one rank (runtime/pipeline.py applies each stage in SPMD mode)."""
-        pp = self.mesh.degree("pp")
-        return bool(self.mesh.tp_axes) or (pp > 1 and self.mesh.size // pp > 1)
+        more than one rank (runtime/pipeline.py applies each stage in SPMD mode): `MeshSpec.on_dtensors`."""
+        return self.mesh.on_dtensors
 
     def group(self, axes: tuple[str, ...]) -> GroupPlacement:
         """Placement of a group along `axes` (ranks row-major over the mesh, tensor-parallel innermost)."""

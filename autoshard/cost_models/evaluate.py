@@ -528,7 +528,7 @@ def cached_chunk_outputs_bytes(graph: OpGraph, ctx: PlanContext, pipe: PipelineS
     flight are of the stage's earlier chunks (the warm-up runs them first; the last chunk's forward is followed by
     its backward at once): each counts as the stage's largest send, v times it per micro-batch. Measured on 4 gloo
     ranks (tests/distributed/test_pipeline.py): 1F1B, GPipe and interleaved 1F1B, with 1D tensor parallelism.
-    Not here: the last chunk's output (the logits), which the loss holds (`loss_per_stage`)."""
+    Not here: the last chunk's output (the logits): `cached_logits_bytes`."""
     if pipe.degree == 1 or not ctx.pipeline_keeps_outputs:
         return [0.0] * pipe.degree
     tp = ctx.mesh.tp_degree

@@ -110,8 +110,6 @@ def predicted_cached_output_bytes(plan: Plan, graph: OpGraph, cluster, *, stage:
 def predicted_cached_logits_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
     """Bytes of the model's outputs one rank of pipeline stage `stage` keeps for backward at its peak
     (`evaluate.cached_logits_bytes`)."""
-    from autoshard.cost_models.template import template_for
-
     graph = priced_graph(plan, graph)
     tg, stages = template_for(graph, plan.pipeline)
     ctx = context_for(plan, cluster, graph)

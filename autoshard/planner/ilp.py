@@ -391,6 +391,8 @@ def _whole_blocks(lp, graph: OpGraph, tg: TemplateGraph, strategies, x) -> None:
     in_template = {op.name for op in tg.ops}
     for g, group in enumerate(graph.blocks):
         holders = [n for n in group.op_names[0] if n in in_template and _op(tg, n).params]
+        if not holders:
+            continue  # no parameters, no FSDP unit
         levels = sorted({s.zero for n in holders for s in strategies[n] if s.split == 1})
         w = {z: _var(lp, f"w_{g}_{z}", cat="Binary") for z in levels}
         lp += pulp.LpConstraint(_aff([(v, 1.0) for v in w.values()]), pulp.LpConstraintEQ, rhs=1)
@@ -406,8 +408,9 @@ def _whole_blocks(lp, graph: OpGraph, tg: TemplateGraph, strategies, x) -> None:
 def fixed_stage_rows(graph: OpGraph, tg: TemplateGraph, stage: dict[str, int], ctx: PlanContext,
                      pipe: PipelineSpec, p2p_bytes: float = 0.0) -> tuple[list[float], list[float]]:
     """Per pipeline stage: (seconds its time row pays whatever the strategies: p2p sends and the loss both
-    ways; bytes the loss and the schedule's cached chunk outputs hold, `cached_chunk_outputs_bytes` per micro-batch
-    in flight). The search's lower bounds (`candidate_bound.py`) use the same rows."""
+    ways; bytes the loss holds, with the chunk outputs and logits the schedule keeps: `cached_chunk_outputs_bytes`
+    per micro-batch in flight, `cached_logits_bytes`). The search's lower bounds (`candidate_bound.py`) use the
+    same rows."""
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
     p2p = 2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0
     cached = cached_chunk_outputs_bytes(graph, ctx, pipe)

@@ -44,7 +44,7 @@ def compile_blocks(model: nn.Module, plan: Plan) -> int:
         return 0
     paths = block_paths(plan, model)
     for path in paths:
-        model.get_submodule(path).compile(dynamic=False)
+        model.get_submodule(path).compile()
     log.info("compiled %d blocks", len(paths))
     return len(paths)
 
@@ -79,9 +79,10 @@ def check_compile_plan(plan: Plan) -> None:
             units.setdefault(op.layer, set()).add((op.strategy.zero, op.strategy.split > 1))
     mixed = sorted(layer for layer, found in units.items() if len(found) > 1 or any(split for _, split in found))
     if mixed:
+        where = f"tensor-parallel axes {axes}" if axes else "pipeline stages of more than one rank"
         raise ConfigurationError(
-            f"the plan compiles its blocks on DTensors ({f'tensor-parallel axes {axes}' if axes else 'pipeline stages of more than one rank'}), but block {mixed[0]} mixes zero "
-            "levels or splits ops, so FSDP2's hooks inside it break its graph where DTensor cannot regenerate a "
+            f"the plan compiles its blocks on DTensors ({where}), but block {mixed[0]} mixes zero levels or splits "
+            "ops, so FSDP2's hooks inside it break its graph where DTensor cannot regenerate a "
             "view (as_strided); re-plan (autoshard plan keeps each compiled block one FSDP unit) or with "
             "--compile off", params=("compile",))
 

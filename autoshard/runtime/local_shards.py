@@ -18,8 +18,9 @@ it would compute on the whole tensor, e.g. a reshape with `-1` where the head co
    or gives other values here (`view(B, S, heads, -1)` shrinks the head dim instead of the heads).
 
 Nor with compiled blocks (`compiled_blocks`): Dynamo traces DTensor code into the block's graph, while the
-local shards' placement tags break it. Nor with dropout: on local shards every rank would draw the same masks for different heads or samples (the
-check runs in eval mode, where dropout is off); DTensor's RNG tracker draws them per shard. An example batch
+local shards' placement tags break it. Nor with dropout: on local shards every rank would draw the same masks
+for different heads or samples (the check runs in eval mode, where dropout is off); DTensor's RNG tracker draws
+them per shard. An example batch
 the plan's tensor-parallel batch shards do not divide into shards of at least 2 is not checked either.
 
 On local shards a planned module call (tensor_parallel.py, `ModuleRuntime._call_local`) turns its activation

@@ -110,9 +110,8 @@ def _checkpointed(forward, context_fn):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         fn = in_spmd if _spmd_active() else forward
-        if context_fn is None:
-            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        policy = {} if context_fn is None else {"context_fn": context_fn}
+        return checkpoint(fn, *args, use_reentrant=False, **policy, **kwargs)
 
     return run
 
@@ -131,7 +130,7 @@ def apply_recompute(model: nn.Module, plan: Plan, *, scores: bool) -> int:
     if plan.recompute == "none":
         return 0
     if plan.recompute == "full":
-        context_fn = None  # checkpoint's default: Dynamo traces a compiled block's checkpoint with no other
+        context_fn = None  # checkpoint's own default: a compiled block's checkpoint traces with no other
     elif scores and plan.seq:
         context_fn = functools.partial(_score_policy, plan.seq)
     else:
