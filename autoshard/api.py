@@ -34,7 +34,8 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
                     tp_comm_overlap: str | bool = "", allocator: str = "expandable", precision: str | None = None,
                     cp: int = 1, cp_attention: str = "allgather", ep: int = 1, ep_imbalance: float | None = None,
                     compile: bool = False, float8: str = "", check_memory: bool = True,
-                    deallocate_pipeline_outputs: bool | None = None):
+                    deallocate_pipeline_outputs: bool | None = None,
+                    sequence_parallel_regather: bool | None = None):
     """Predict a hand-given configuration; returns (Plan with its prediction, ClusterSpec).
 
     `attention` for zoo and spec models: "flash" (causal FlashAttention-2, what PyTorch SDPA, Megatron-Core,
@@ -69,7 +70,10 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     the block Linears in float8 (torchao; H100/H200 only); cost_models/float8.py. `deallocate_pipeline_outputs`:
     whether pipeline stages free a chunk output once sent (Megatron's schedules) or keep it until its backward
     (torch.distributed.pipelining); None: as the engine the other options describe
-    (`PlanContext.pipeline_keeps_outputs`).
+    (`PlanContext.pipeline_keeps_outputs`). `sequence_parallel_regather`: whether each sequence-parallel
+    column Linear keeps its input's shard and gathers it again in backward (Megatron-LM) or the shard is gathered
+    once for all the Linears reading it and kept (torchtitan, the runtime); None: as the engine the other options
+    describe (`PlanContext.megatron_engine`).
     """
     attention = resolve_attention(model, attention)
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch, seq=seq,
@@ -78,7 +82,8 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
               loss_parallel=loss_parallel, zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator,
               precision=precision,
               cp=cp, cp_attention=cp_attention, ep=ep, ep_imbalance=ep_imbalance, compile=compile, float8=float8,
-              deallocate_pipeline_outputs=deallocate_pipeline_outputs)
+              deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+              sequence_parallel_regather=sequence_parallel_regather)
     return _estimate(model, cluster, attn=attention, check_memory=check_memory, **kw)
 
 
@@ -98,7 +103,8 @@ def capture_ref(ref, *, seq: int | None = None, attn: str | None = None):
 def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, recompute, sequence_parallel,
               virtual_stages, schedule, zero, attn, check_memory, fused_kernels, fused_loss, zero_impl,
               tp_comm_overlap, allocator, precision=None, cp=1, cp_attention="allgather", ep=1, ep_imbalance=None,
-              compile=False, float8="", loss_parallel=False, deallocate_pipeline_outputs=None):
+              compile=False, float8="", loss_parallel=False, deallocate_pipeline_outputs=None,
+              sequence_parallel_regather=None):
     cluster = resolve_cluster(cluster)
     require_positive("cp", cp)
     if dp is None:
@@ -113,7 +119,8 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
                      fused_kernels=fused_kernels, fused_loss=fused_loss, loss_parallel=loss_parallel,
                      zero_impl=zero_impl, tp_comm_overlap=tp_comm_overlap, allocator=allocator, precision=precision, ep=ep,
                      ep_imbalance=ep_imbalance, compile=compile, float8=float8 or "",
-                     deallocate_pipeline_outputs=deallocate_pipeline_outputs)
+                     deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+                     sequence_parallel_regather=sequence_parallel_regather)
     graph = capture_ref(model, seq=seq, attn=attn)
     if cp > 1:  # priced on the rank-local graph; the plan names the model as the user runs it
         full = graph

@@ -534,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron's engine: each pointwise region as one fused kernel (Megatron-LM's fused "
                         "kernels, torch.compile) that keeps only its inputs for backward, a fused Adam, and "
                         "gradients summed into the fp32 main_grad inside the weight-gradient GEMM (gradient "
-                        "accumulation fusion); default: one kernel per ATen op, each keeping what its derivative "
+                        "accumulation fusion), and under --sequence-parallel each column-parallel Linear gathering "
+                        "its input shard itself, again in backward; default: one kernel per ATen op, each keeping what its derivative "
                         "needs, torch's AdamW and autograd's gradient adds, as eager PyTorch runs them")
     e.add_argument("--fused-loss", action="store_true",
                    help="price the cross-entropy as one kernel each way over the 16-bit logits, which keeps them "

@@ -252,6 +252,9 @@ def test_torch_pipelining_keeps_each_in_flight_chunk_output_and_megatrons_schedu
     logits = 32 * 128 * 2  # seq x vocab x bf16, whole on every tensor-parallel rank, one micro-batch under 1F1B
     assert [k - f for k, f in zip(kept, freed, strict=True)] == pytest.approx([4 * sent, 3 * sent, 2 * sent, logits])
     assert activations(fused_kernels=True) == activations(fused_kernels=True, deallocate_pipeline_outputs=True)
+    # torchtitan's async TP overlaps its collectives too, but on compiled blocks, with torch's pipelining
+    assert activations(compile=True, tp_comm_overlap="all") != activations(compile=True, tp_comm_overlap="all",
+                                                                          deallocate_pipeline_outputs=True)
 
 
 def test_gradients_are_added_only_from_the_second_micro_batch_and_only_to_what_the_runtime_keeps(llama):
@@ -501,6 +504,27 @@ def test_a_measured_curve_that_peaks_mid_size_is_reproduced_at_every_measured_si
     for nbytes, busbw in points:
         want = nbytes * bus_factor("all_gather", 4) / (busbw * 1e9)
         assert collective_time_s("all_gather", nbytes, GroupPlacement(4, 4), cluster) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_sequence_parallel_input_is_gathered_once_per_attention_and_mlp_unless_megatrons_linears_regather(llama):
+    """torchtitan (and the runtime for `col` Linears) gathers the normed sequence shard once where it is made, for
+    q, k and v (gate and up) together, and keeps it gathered; Megatron-LM's column Linears each keep the shard
+    and gather it again in backward (Korthikanti et al. 2022 sec. 4.2.2): 5 gathers forward and 5 in backward
+    for a Llama layer with separate projections, against 2 and none."""
+    cluster = ClusterSpec.parse("1x2xA100-80GB")
+    whole = llama.seq_len * 256 * 2  # one sample's hidden states, bf16
+
+    def layer0_gathers(**engine):
+        _, ev = estimate(llama, cluster, HandConfig(tp=2, sequence_parallel=True, micro_batch=1, global_batch=1,
+                                                    **engine))
+        into = [e for (_, dst, _), e in ev.edge_costs.items()
+                if dst.startswith("model.layers.0.") and dst.endswith("_proj")]
+        fwd = sum(b for e in into for k, b in e.fwd_comm if k == "all_gather")
+        every = sum(b for e in into for k, b in e.comm if k == "all_gather")
+        return fwd / whole, (every - fwd) / whole
+
+    assert layer0_gathers() == pytest.approx((2.0, 0.0))
+    assert layer0_gathers(fused_kernels=True) == pytest.approx((5.0, 5.0))
 
 
 # -- pipeline boundaries ---------------------------------------------------------------------------------------

@@ -135,13 +135,19 @@ class PlanContext:
     def pipeline_keeps_outputs(self) -> bool:
         """A pipeline stage keeps each in-flight micro-batch's chunk output until its backward: torch.distributed.
         pipelining (autoshard's runtime, torchtitan; stage.py `fwd_cache`), measured (evaluate.
-        `cached_chunk_outputs_bytes`). Not Megatron's schedules (the engines of `--fused-kernels` or
-        `--tp-comm-overlap`): `deallocate_output_tensor` replaces an output's data by a scalar once it is sent,
+        `cached_chunk_outputs_bytes`). Not Megatron's schedules (`megatron_engine`): `deallocate_output_tensor` replaces an output's data by a scalar once it is sent,
         keeping only its autograd graph (Megatron-LM pipeline_parallel/schedules.py). `deallocate_pipeline_outputs`
         says it outright."""
         if self.deallocate_pipeline_outputs is not None:
             return not self.deallocate_pipeline_outputs
-        return not (self.fused_pointwise or self.tp_overlap)
+        return not self.megatron_engine
+
+    @property
+    def megatron_engine(self) -> bool:
+        """The other fields describe Megatron's engine: its fused kernels (`--fused-kernels`) or its overlapped
+        tensor-parallel collectives (`--tp-comm-overlap`), without compiled blocks (torchtitan's async TP runs
+        compiled; Megatron compiles none)."""
+        return (self.fused_pointwise or bool(self.tp_overlap)) and not self.compile
 
     def compiled(self, op) -> bool:
         """Whether `op` runs inside a compiled block (a repeated block's op under `compile`)."""

@@ -68,6 +68,10 @@ class HandConfig:
     # pipeline stages free each chunk output once sent (Megatron) or keep it to its backward (torch pipelining);
     # None: as the engine the other options describe (PlanContext.pipeline_keeps_outputs)
     deallocate_pipeline_outputs: bool | None = None
+    # sequence-parallel column Linears keep their input's shard and gather it again in backward, each its own
+    # (Megatron), or the shard is gathered once for all its readers and kept (torchtitan, the runtime's `col`);
+    # None: as the engine the other options describe (PlanContext.megatron_engine; planner/manual.py)
+    sequence_parallel_regather: bool | None = None
     # another engine's training precision (cost_models.memory.PRECISIONS: "bf16-mixed-16bit-grads" for DeepSpeed's
     # and Megatron's fp16 engines); None: what autoshard's runtime runs on the cluster (context.default_precision)
     precision: str | None = None
@@ -231,7 +235,9 @@ def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation
                       tp_overlap=cfg.tp_comm_overlap, allocator=cfg.allocator, compile=cfg.compile,
                       float8=cfg.float8, deallocate_pipeline_outputs=cfg.deallocate_pipeline_outputs)
     assign = megatron_assignment(graph, priced, cfg.micro_batch, sequence_parallel=cfg.sequence_parallel,
-                                 zero=cfg.zero)
+                                 zero=cfg.zero,
+                                 regather=ctx.megatron_engine if cfg.sequence_parallel_regather is None
+                                 else cfg.sequence_parallel_regather)
     stage_layers = _stage_layers(graph, cfg.pp, cfg.virtual_stages)
     pipe = PipelineSpec(degree=cfg.pp, schedule=cfg.resolved_schedule, virtual_stages=cfg.virtual_stages,
                         stage_layers=stage_layers, layered=cfg.resolved_schedule == "looped-bfs")

@@ -54,8 +54,15 @@ def _pick(cands: list[OpStrategy], *, name: str | None = None, output: Layout | 
 
 
 def megatron_assignment(graph: OpGraph, mesh: MeshSpec, micro_batch: int, *, sequence_parallel: bool = False,
-                        zero: int = 0) -> dict[str, OpStrategy]:
-    """Megatron-LM's layout of every planned op on `mesh` (axes among pp, dp, tp)."""
+                        zero: int = 0, regather: bool = True) -> dict[str, OpStrategy]:
+    """Megatron-LM's layout of every planned op on `mesh` (axes among pp, dp, tp).
+
+    `regather` (with `sequence_parallel`): each column-parallel Linear keeps its input's sequence shard for
+    backward and gathers it again there (`col+sp`: Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication,
+    Korthikanti et al. 2022 sec. 4.2.2). False: the shard is gathered once where it is produced, for every
+    column-parallel Linear that reads it (q, k and v; gate and up), and kept gathered for backward (`col`:
+    torchtitan's PrepareModuleInput on attention and feed-forward, autoshard's runtime for `col` Linears,
+    `runtime/specs.py`), its gradient summed over them before one reduce-scatter."""
     origin = _origins(graph)
     tp = mesh.degree("tp")
     tg, _ = template_for(graph, PipelineSpec())
@@ -63,7 +70,7 @@ def megatron_assignment(graph: OpGraph, mesh: MeshSpec, micro_batch: int, *, seq
     for op in tg.ops:
         cands = strategies_in(graph, op, mesh, micro_batch, zero_options=(zero,))
         cands = [c for c in cands if c.split == 1]
-        st = _choose(graph, op, cands, origin, mesh, micro_batch, sequence_parallel and tp > 1)
+        st = _choose(graph, op, cands, origin, mesh, micro_batch, sequence_parallel and tp > 1, regather)
         tied = next((chosen[o] for o in chosen if op.kind is OpKind.EMBEDDING and _shares_param(graph, o, op)),
                     None)
         if tied is not None:  # one storage for a tied embedding (BART's encoder and decoder tokens)
@@ -90,13 +97,13 @@ def _origins(graph: OpGraph) -> dict[str, str]:
     return cache["origins"]
 
 
-def _choose(graph, op, cands, origin, mesh, micro_batch, sp):
+def _choose(graph, op, cands, origin, mesh, micro_batch, sp, regather):
     if mesh.degree("tp") == 1:
         return _pick(cands)
     if op.kind in (OpKind.LINEAR, OpKind.CONV):
         role = _linear_role(graph, origin, op.name)
         if role == "col":
-            return _pick(cands, name="col+sp" if sp else "col") or _pick(cands, name="col") or \
+            return _pick(cands, name="col+sp" if sp and regather else "col") or _pick(cands, name="col") or \
                 _pick(cands, name="replicate")
         return _pick(cands, name="row") or _pick(cands, name="replicate")
     if op.kind is OpKind.EMBEDDING:

@@ -213,7 +213,8 @@ def _memory_prediction(r: dict) -> float:
         spec, f"{max(1, tp * pp * dp // 8)}x{min(8, tp * pp * dp)}xA100-80GB", tp=tp, pp=pp, dp=dp,
         micro_batch=mbs, global_batch=gbs, recompute=rc, sequence_parallel=r["sequence_parallel"] == "yes",
         virtual_stages=interleave, precision=MEMORY_ROW_PRECISION, check_memory=False,
-        deallocate_pipeline_outputs=True)  # Megatron-LM's schedules
+        deallocate_pipeline_outputs=True,  # Megatron-LM's schedules
+        sequence_parallel_regather=True)  # and its sequence-parallel Linears (Korthikanti et al. sec. 4.2.2)
     mem = plan.prediction.memory
     if r["metric"].startswith("params_plus_optimizer"):
         return (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) / 2**30

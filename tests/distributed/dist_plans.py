@@ -8,6 +8,8 @@ Families (the dp axis, when the mesh has one, adds `dp: S(batch)` to every activ
   output P); attention and pointwise ops on split activations follow on S(feat) (heads); the residual stream,
   norms and dropout are R, or S(seq) with sequence parallelism (whose column Linears keep the sequence shard
   for backward); token embeddings are vocabulary-parallel (weight S(in), output P);
+- `torchtitan-sp`: `megatron-sp` whose column Linears take the gathered input (R) and keep it: the runtime
+  gathers a norm's sequence shard once for all of them (q, k, v; gate, up), as torchtitan's PrepareModuleInput;
 - `2d` (Optimus on tp_r x tp_c): activations blocked tp_r:S(batch), tp_c:S(feat); every Linear gathers its
   input over tp_c and its weight over tp_r (stored tp_r:S(in), tp_c:S(out)) inside a checkpoint; a head tied
   to the embedding is row-parallel on tp_c instead (its weight is stored like the embedding's);
@@ -24,7 +26,7 @@ from autoshard.plans.plan import OpPlan, OpStrategy, ParamPlacement, Plan
 
 __all__ = ["make_plan", "expected_param_bytes", "FAMILIES"]
 
-FAMILIES = ("replicate", "megatron", "megatron-sp", "2d", "3d")
+FAMILIES = ("replicate", "megatron", "megatron-sp", "torchtitan-sp", "2d", "3d")
 _UNPLANNED = (OpKind.INPUT, OpKind.INDEX)
 _TP_FOLLOW = (OpKind.ATTENTION, OpKind.MATMUL, OpKind.SOFTMAX, OpKind.ELEMENTWISE, OpKind.DROPOUT)
 
@@ -53,6 +55,7 @@ class _Builder:
     def strategy(self, op: Op) -> OpStrategy:
         ins = [self.role.get(s, "const") for s in op.inputs]
         fn = {"replicate": self._replicate, "megatron": self._megatron, "megatron-sp": self._megatron,
+              "torchtitan-sp": self._megatron,
               "2d": self._optimus, "3d": self._bian}[self.family]
         name, inputs, output, params, role, regather = fn(op, ins)
         self.role[op.name] = role
@@ -64,7 +67,8 @@ class _Builder:
         return "replicate", [Layout()] * len(ins), Layout(), _params(op, _same(Layout()), _same(Layout())), "rep", False
 
     def _megatron(self, op, ins):
-        sp = self.family == "megatron-sp"
+        sp = self.family in ("megatron-sp", "torchtitan-sp")
+        regather = self.family == "megatron-sp"
         stream = layout(tp=SEQ) if sp else Layout()
         split = [r == "tp" for r in ins]
         if op.kind is OpKind.LINEAR:
@@ -72,7 +76,7 @@ class _Builder:
                 return ("row", [layout(tp=FEAT)] * len(ins), layout(tp=PARTIAL),
                         _params(op, _same(layout(tp=IN)), _same(Layout())), "rep", False)
             return ("col", [Layout()] * len(ins), layout(tp=FEAT),
-                    _params(op, _same(layout(tp=OUT)), _same(layout(tp=OUT))), "tp", sp)
+                    _params(op, _same(layout(tp=OUT)), _same(layout(tp=OUT))), "tp", regather)
         if op.kind is OpKind.EMBEDDING:  # vocabulary-parallel
             return "vocab", [Layout()] * len(ins), layout(tp=PARTIAL), _params(op, _same(layout(tp=IN)), _same(Layout())), "rep", False
         if op.kind in _TP_FOLLOW and any(split):

@@ -47,6 +47,8 @@ for _m, _mixed in (("gpt2", _MIXED_GPT2), ("llama", _MIXED_LLAMA)):
         f"{_m}-dp-1d": (4, _m, "megatron", {"dp": 2, "tp": 2}, {"zero": 3}),
         f"{_m}-dp-2d": (8, _m, "2d", {"dp": 2, "tp_r": 2, "tp_c": 2}, {}),
     }
+# torchtitan's sequence parallelism: a norm's shard gathered once for the column Linears reading it, kept gathered
+CASES["llama-1d-sp-gather-once"] = (2, "llama", "torchtitan-sp", {"tp": 2}, {})
 CASES["mlp-3d"] = (8, "mlp", "3d", {"tp_x": 2, "tp_y": 2, "tp_z": 2}, {})
 CASES["llama-3d"] = (8, "llama", "3d", {"tp_x": 2, "tp_y": 2, "tp_z": 2}, {})  # 3D on a transformer
 # Qwen2 is not in the zoo (RMSNorm, rotary, biased q/k/v, grouped-query attention with 2 kv heads): it goes
@@ -88,7 +90,8 @@ def _graph(model: str):
 
 # the 8-rank world (3D, and 2D with data parallelism) runs in the long suite (`-m long`, README "Development"):
 # it costs ~2.5 minutes on two cores; the 2- and 4-rank worlds cover every other family
-LONG = {"gpt2-dp-2d", "llama-dp-2d", "llama-3d", "mlp-3d", "llama-2d-compiled"}
+# (Megatron's sequence parallelism is quick in gpt2-1d-sp and llama-1d-sp-compiled; llama-1d-sp runs long)
+LONG = {"gpt2-dp-2d", "llama-dp-2d", "llama-3d", "mlp-3d", "llama-2d-compiled", "llama-1d-sp"}
 
 
 def _params(cases):
@@ -245,7 +248,7 @@ def test_3d_step_gathers_each_weight_once_and_reduce_scatters_outputs_and_gradie
 # llama-3d: the local-shards check runs the example inputs (batch 2), which 3D's x * y = 4 batch shards cannot
 # split (the runtime says so in `why_not_local`); it runs on DTensors
 # Compiled blocks keep the model's code on DTensors (local_shards.compiled_blocks): Dynamo traces it whole.
-_SPMD_MODE = {"llama-1d-sp", "mlp-3d", "gpt-heads-minus-one-1d", "llama-3d",
+_SPMD_MODE = {"llama-1d-sp", "llama-1d-sp-gather-once", "mlp-3d", "gpt-heads-minus-one-1d", "llama-3d",
               *(c for c, spec in CASES.items() if spec[4].get("compile"))}
 _TENSOR_PARALLEL = [c for c, (_, _, family, _, _) in CASES.items() if family != "replicate"]
 
