@@ -257,6 +257,34 @@ def test_torch_pipelining_keeps_each_in_flight_chunk_output_and_megatrons_schedu
                                                                           deallocate_pipeline_outputs=True)
 
 
+def test_under_gpipe_the_last_stage_keeps_every_micro_batchs_log_probabilities_until_the_backward_phase():
+    """The loss of each micro-batch saves its fp32 log-probabilities (log_softmax's output) until its backward:
+    GPipe runs every forward first, so the last stage holds m of them (measured on 4 gloo ranks in
+    tests/distributed/test_pipeline.py); 1F1B runs each backward after its forward, so it holds the one that
+    `loss_per_stage` prices. A fused cross-entropy keeps a log-sum-exp per token instead."""
+    from autoshard.api import capture_ref
+    from autoshard.cost_models.evaluate import held_loss_bytes
+    from autoshard.cost_models.template import template_for
+
+    graph, cluster = capture_ref(TINY_LLAMA_SPEC), ClusterSpec.parse("1x4xA100-80GB")
+    log_probs, tokens = 32 * 128 * 4 + 4, 32  # seq x vocab fp32 of one sample, nll_loss's total weight; per token
+    for schedule, extra in (("gpipe", 7), ("1f1b", 0)):
+        pipe = estimate(graph, cluster, HandConfig(pp=4, micro_batch=1, global_batch=8, schedule=schedule))[0].pipeline
+        tg, stage = template_for(graph, pipe)
+        for fused, per in ((False, log_probs), (True, 4 * tokens)):
+            ctx = PlanContext(mesh=MeshSpec.of(pp=4), cluster=cluster, micro_batch=1, num_microbatches=8,
+                              fused_loss=fused)
+            assert held_loss_bytes(graph, tg.outputs, stage, ctx, pipe) == [0, 0, 0, extra * per]
+            assert held_loss_bytes(graph, tg.outputs, stage, ctx, pipe, first=True)[3] == (extra + 1) * per
+
+    def last_stage_activations(**options) -> float:
+        cfg = HandConfig(pp=4, micro_batch=1, global_batch=8, schedule="gpipe", **options)
+        return estimate(graph, cluster, cfg)[1].stage_memory[3].activations_bytes
+
+    # the loss kernel is all that differs: the other 7 micro-batches' saved tensors are in the last stage's memory
+    assert last_stage_activations() - last_stage_activations(fused_loss=True) == 7 * (log_probs - 4 * tokens)
+
+
 def test_gradients_are_added_only_from_the_second_micro_batch_and_only_to_what_the_runtime_keeps(llama):
     """Autograd assigns a step's first gradient and adds the later ones. ZeRO-0/1 keep the full gradient across
     micro-batches (m - 1 adds of it), ZeRO-2/3 drop it after each reduce-scatter and add only the 1/dp shard;

@@ -47,6 +47,7 @@ from autoshard.cost_models.memory import (
     OPTIMIZER_PASSES,
     framework_overhead_bytes,
     loss_buffer_bytes,
+    loss_saved_bytes,
     optimizer_step_bytes,
     tensor_bytes,
 )
@@ -59,7 +60,7 @@ from autoshard.plans.layouts import BATCH, FEAT, SEQ, Layout
 from autoshard.plans.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.plans.strategies import same_strategy
 
-__all__ = ["cached_chunk_outputs_bytes", "cached_logits_bytes", "held_per_stage", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
+__all__ = ["cached_chunk_outputs_bytes", "cached_logits_bytes", "held_loss_bytes", "held_per_stage", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
            "stage_units", "recompute_stops_before", "optimizer_s", "optimizer_step_host_s", "edge_step_s", "edge_time_s",
@@ -272,7 +273,9 @@ class _Stage:
     recompute_peak: float = 0.0  # one block's activations, re-materialized in its backward
     p2p: float = 0.0  # seconds it waits for pipeline receives per micro-batch (`_boundaries`)
     cached: float = 0.0  # bytes of its chunks' outputs the schedule keeps per micro-batch (`_boundaries`)
-    logits: float = 0.0  # bytes of the model's outputs it keeps for backward (`cached_logits_bytes`)
+    # bytes of the model's outputs it keeps for backward and the loss's saved tensors of the other micro-batches in
+    # flight (`cached_logits_bytes`, `held_loss_bytes`)
+    logits: float = 0.0
     tp_hidden: float = 0.0  # of `tp`, what runs beside weight-gradient GEMMs (tp_overlap "backward")
     host_fwd: float = 0.0  # GPUs: host seconds issuing a micro-batch's forward (cost_models/host.py)
     host_bwd: float = 0.0  # ... and its backward with recompute
@@ -338,7 +341,8 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree, assign)
-    logits = cached_logits_bytes(graph, tg.outputs, stage, ctx, pipe, assign)
+    logits = [a + b for a, b in zip(cached_logits_bytes(graph, tg.outputs, stage, ctx, pipe, assign),
+                                    held_loss_bytes(graph, tg.outputs, stage, ctx, pipe, assign), strict=True)]
     for k, st in enumerate(stages):
         st.fwd += loss_time[k]
         st.bwd += loss_time[k]
@@ -440,7 +444,7 @@ def cached_logits_bytes(graph: OpGraph, outputs, stage: dict[str, int], ctx: Pla
     yet backward: all m under GPipe and layered accumulation, one under 1F1B (its backward follows at once). At
     the outputs' precision, on each rank's vocabulary shard under `loss_parallel`. Measured with the chunk
     outputs (tests/distributed/test_pipeline.py: GPipe's last stage 8 x, 1F1B's 1 x the logits). Not the loss's
-    own buffers (`loss_per_stage`), priced for one micro-batch."""
+    own buffers (`loss_per_stage`, `held_loss_bytes`)."""
     out = [0.0] * pipe.degree
     if pipe.degree == 1 or not ctx.pipeline_keeps_outputs:
         return out
@@ -450,6 +454,29 @@ def cached_logits_bytes(graph: OpGraph, outputs, stage: dict[str, int], ctx: Pla
         if _has_loss(meta):
             shards = vocab_shards(assign[name].output, ctx) if assign is not None else 1
             out[stage[name]] += inflight * meta.numel * ctx.micro_batch * ctx.precision.act_bytes / shards
+    return out
+
+
+def held_loss_bytes(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanContext, pipe: PipelineSpec,
+                    assign: dict[str, OpStrategy] | None = None, *, first: bool = False) -> list[float]:
+    """Per stage, bytes of the loss's own saved tensors (`memory.loss_saved_bytes`: the fp32 log-probabilities)
+    for the micro-batches whose loss has run forward and not yet backward beside the one `loss_per_stage`
+    prices at the start of backward: m - 1 under GPipe and layered accumulation across pipeline stages (every
+    micro-batch's loss graph lives until the backward phase), none under 1F1B and interleaving (a micro-batch's
+    backward follows its last chunk's forward). `first`: count that one too (the bytes at their peak, as
+    tests/distributed/test_pipeline.py measures them). On each rank's vocabulary shard under `loss_parallel`."""
+    out = [0.0] * pipe.degree
+    inflight = ctx.num_microbatches if pipe.degree > 1 and (pipe.schedule == "gpipe" or pipe.layered) else 1
+    count = inflight if first else inflight - 1
+    if not count:
+        return out
+    for name in outputs:
+        meta = graph.op(name).output_meta
+        if _has_loss(meta):
+            shards = vocab_shards(assign[name].output, ctx) if assign is not None else 1
+            numel = meta.numel * ctx.micro_batch
+            rows = numel / max(1, meta.shape[-1])
+            out[stage[name]] += count * loss_saved_bytes(numel / shards, rows, fused=ctx.fused_loss)
     return out
 
 

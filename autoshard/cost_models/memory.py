@@ -130,6 +130,15 @@ def loss_buffer_bytes(logits_numel: float, *, fused: bool = False, act_bytes: in
     return logits_numel * 3 * 4
 
 
+def loss_saved_bytes(logits_numel: float, rows: float, *, fused: bool = False) -> float:
+    """Bytes the cross-entropy over `logits_numel` logits (`rows` tokens) keeps for its backward from its forward
+    on: eager, the fp32 log-probabilities log_softmax saves (nll_loss saves the same tensor, and its fp32
+    `total_weight` scalar; the upcast saves nothing: measured to the byte on gloo ranks,
+    tests/distributed/test_pipeline.py); fused, a log-sum-exp per row (the kernel's other saved tensor is the
+    logits themselves, `evaluate.cached_logits_bytes`)."""
+    return rows * 4 if fused else logits_numel * 4 + 4
+
+
 # Kernels per optimizer step (per chunk of tensors): torch.optim.AdamW's eight passes, or one fused kernel.
 OPTIMIZER_PASSES = {False: 8, True: 1}
 

@@ -17,6 +17,7 @@ from autoshard.cost_models.evaluate import (
     cut_bytes,
     cut_sends,
     evaluate,
+    held_loss_bytes,
     held_per_stage,
     inflight_microbatches,
 )
@@ -27,6 +28,7 @@ from autoshard.plans.strategies import same_strategy
 
 __all__ = ["context_for", "priced_graph", "evaluate_plan", "predicted_step_comm", "predicted_p2p_bytes",
            "predicted_cached_output_bytes", "predicted_cached_logits_bytes",
+           "predicted_held_loss_bytes",
            "predicted_param_bytes"]
 
 
@@ -115,6 +117,16 @@ def predicted_cached_logits_bytes(plan: Plan, graph: OpGraph, cluster, *, stage:
     ctx = context_for(plan, cluster, graph)
     assign = {p.op: p.strategy for p in plan.ops}
     return cached_logits_bytes(graph, tg.outputs, stages, ctx, plan.pipeline, assign)[stage]
+
+
+def predicted_held_loss_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
+    """Bytes of the loss's saved tensors one rank of pipeline stage `stage` keeps at their peak, every micro-batch
+    whose loss ran forward and not yet backward (`evaluate.held_loss_bytes` with the first one)."""
+    graph = priced_graph(plan, graph)
+    tg, stages = template_for(graph, plan.pipeline)
+    ctx = context_for(plan, cluster, graph)
+    assign = {p.op: p.strategy for p in plan.ops}
+    return held_loss_bytes(graph, tg.outputs, stages, ctx, plan.pipeline, assign, first=True)[stage]
 
 
 def predicted_p2p_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:

@@ -11,6 +11,7 @@ stage hold the same names in the same order, so the collectives match.
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import replace
 
 import torch
@@ -217,7 +218,8 @@ def _gathers_case(case: dict) -> dict:
 def _held_case(case: dict) -> dict:
     """Bytes of the chunk outputs torch.distributed.pipelining's stages keep for backward (`fwd_cache`), at
     their most during a second train_step, the last chunk's (the logits) apart: distinct storages, so a slice
-    that keeps its whole base counts whole."""
+    that keeps its whole base counts whole. Likewise the floating-point tensors the loss saves for backward
+    (saved-tensor hooks around the schedule's loss), alive at once at their most."""
     from autoshard.runtime.pipeline_train import train_step
 
     x, y = batch(case["model"], case["batch"])
@@ -244,9 +246,30 @@ def _held_case(case: dict) -> dict:
             peak[0], peak_logits[0] = max(peak[0], held(False)), max(peak_logits[0], held(True))
             return out
         st.forward_one_chunk = forward_one_chunk
+    schedule = pm._autoshard_pipeline.schedule
+    loss_live, peak_loss = {}, [0]  # storage -> [bytes, saved tensors alive]; the most alive at once
+
+    def release(ptr):
+        entry = loss_live[ptr]
+        entry[1] -= 1
+        if not entry[1]:
+            del loss_live[ptr]
+
+    def pack(t):  # a floating-point tensor the loss saves for backward, alive until autograd drops it
+        if t.is_floating_point():
+            ptr = t.untyped_storage().data_ptr()
+            loss_live.setdefault(ptr, [t.untyped_storage().nbytes(), 0])[1] += 1
+            weakref.finalize(t, release, ptr)
+            peak_loss[0] = max(peak_loss[0], sum(b for b, _ in loss_live.values()))
+        return t
+
+    def loss_fn(*a, _orig=schedule._loss_fn, **k):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return _orig(*a, **k)
+    schedule._loss_fn = loss_fn
     train_step(pm, (lx,), ly)
     return {"case": case["id"], "held_bytes": peak[0], "held_logits_bytes": peak_logits[0],
-            "stage": pm.mesh.get_local_rank("pp")}
+            "held_loss_bytes": peak_loss[0], "stage": pm.mesh.get_local_rank("pp")}
 
 
 def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
