@@ -121,7 +121,7 @@ def _layer_saved_bytes(*, tp, sp, recompute, s=64, h=64, a=4, b=2):
     graph = capture_model(load_model(f"gpt:layers=3,hidden={h},heads={a},seq={s},vocab=128,attn=eager"))
     cluster = ClusterSpec.parse(f"1x{tp}xA100-80GB")
     _, ev = estimate(graph, cluster, HandConfig(tp=tp, micro_batch=b, global_batch=b, recompute=recompute,
-                                                sequence_parallel=sp))
+                                                sequence_parallel=sp, sequence_parallel_regather=True))
     return sum(ev.op_costs[n].saved_bytes for n in graph.blocks[0].op_names[1])
 
 

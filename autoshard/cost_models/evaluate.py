@@ -60,7 +60,7 @@ from autoshard.plans.layouts import BATCH, FEAT, SEQ, Layout
 from autoshard.plans.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.plans.strategies import same_strategy
 
-__all__ = ["cached_chunk_outputs_bytes", "cached_logits_bytes", "held_loss_bytes", "held_per_stage", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
+__all__ = ["cached_chunk_outputs_bytes", "cached_logits_bytes", "held_loss_bytes", "held_per_stage", "keeps_chunk_outputs", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
            "stage_units", "recompute_stops_before", "optimizer_s", "optimizer_step_host_s", "edge_step_s", "edge_time_s",
@@ -446,7 +446,7 @@ def cached_logits_bytes(graph: OpGraph, outputs, stage: dict[str, int], ctx: Pla
     outputs (tests/distributed/test_pipeline.py: GPipe's last stage 8 x, 1F1B's 1 x the logits). Not the loss's
     own buffers (`loss_per_stage`, `held_loss_bytes`)."""
     out = [0.0] * pipe.degree
-    if pipe.degree == 1 or not ctx.pipeline_keeps_outputs:
+    if not keeps_chunk_outputs(ctx, pipe):
         return out
     inflight = ctx.num_microbatches if pipe.schedule == "gpipe" or pipe.layered else 1
     for name in outputs:
@@ -461,12 +461,12 @@ def held_loss_bytes(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanCon
                     assign: dict[str, OpStrategy] | None = None, *, first: bool = False) -> list[float]:
     """Per stage, bytes of the loss's own saved tensors (`memory.loss_saved_bytes`: the fp32 log-probabilities)
     for the micro-batches whose loss has run forward and not yet backward beside the one `loss_per_stage`
-    prices at the start of backward: m - 1 under GPipe and layered accumulation across pipeline stages (every
-    micro-batch's loss graph lives until the backward phase), none under 1F1B and interleaving (a micro-batch's
+    prices at the start of backward: m - 1 under GPipe and layered accumulation, on one rank or across pipeline
+    stages (every micro-batch's loss graph lives until the backward phase), none under 1F1B and interleaving (a micro-batch's
     backward follows its last chunk's forward). `first`: count that one too (the bytes at their peak, as
     tests/distributed/test_pipeline.py measures them). On each rank's vocabulary shard under `loss_parallel`."""
     out = [0.0] * pipe.degree
-    inflight = ctx.num_microbatches if pipe.degree > 1 and (pipe.schedule == "gpipe" or pipe.layered) else 1
+    inflight = ctx.num_microbatches if pipe.layered or (pipe.degree > 1 and pipe.schedule == "gpipe") else 1
     count = inflight if first else inflight - 1
     if not count:
         return out
@@ -555,20 +555,31 @@ def cached_chunk_outputs_bytes(graph: OpGraph, ctx: PlanContext, pipe: PipelineS
     flight are of the stage's earlier chunks (the warm-up runs them first; the last chunk's forward is followed by
     its backward at once): each counts as the stage's largest send, v times it per micro-batch. Measured on 4 gloo
     ranks (tests/distributed/test_pipeline.py): 1F1B, GPipe and interleaved 1F1B, with 1D tensor parallelism.
-    Not here: the last chunk's output (the logits): `cached_logits_bytes`."""
-    if pipe.degree == 1 or not ctx.pipeline_keeps_outputs:
+    Layered accumulation on one rank (degree 1, v chunks, looped BFS) keeps every chunk's output but the last for
+    all m micro-batches (every forward runs first), whole where nothing is sent (an upper bound here: sequence
+    parallelism holds 1/t of it). Not here: the last chunk's output (the logits): `cached_logits_bytes`."""
+    if not keeps_chunk_outputs(ctx, pipe):
         return [0.0] * pipe.degree
-    tp = ctx.mesh.tp_degree
+    tp = ctx.mesh.tp_degree if pipe.degree > 1 else 1
     sends = [max((tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / tp
                   for _, c_src, c_dst, meta in _boundary_edges(graph, pipe) if c_src == c and c_dst == c + 1),
                  default=0.0) for c in range(pipe.degree * pipe.virtual_stages - 1)]
     return held_per_stage(sends, pipe)
 
 
+def keeps_chunk_outputs(ctx: PlanContext, pipe: PipelineSpec) -> bool:
+    """Whether the schedule's stages keep chunk outputs for backward: torch.distributed.pipelining's
+    (`PlanContext.pipeline_keeps_outputs`) across pipeline stages, or on one rank under layered accumulation."""
+    return ctx.pipeline_keeps_outputs and (pipe.degree > 1 or pipe.layered)
+
+
 def held_per_stage(sends: list[float], pipe: PipelineSpec) -> list[float]:
     """Per stage, cached chunk-output bytes per micro-batch in flight from each cut's send (chunk c -> c + 1,
-    sent by stage c mod p): v times the stage's largest (`cached_chunk_outputs_bytes`)."""
+    sent by stage c mod p): v times the stage's largest (`cached_chunk_outputs_bytes`); on one rank (layered
+    accumulation), their sum."""
     out = [0.0] * pipe.degree
+    if pipe.degree == 1:  # layered on one rank: each cut's sender is this rank, every output alive at once
+        return [float(sum(sends))]
     for c, sent in enumerate(sends):
         out[c % pipe.degree] = max(out[c % pipe.degree], pipe.virtual_stages * sent)
     return out
@@ -583,12 +594,12 @@ def _boundaries(graph, assign, ctx, pipe, stages) -> None:
     tensor-parallel all-gathers of scattered sends (`cut_sends`): the receiver's of the hidden states in
     forward, the sender's of their gradient in backward. And memory: the sender keeps what it sends (its
     chunk's output) until that micro-batch's backward (`cached_chunk_outputs_bytes`)."""
-    if pipe.degree == 1:
-        return
     sends = cut_sends(graph, assign, ctx, pipe)
-    if ctx.pipeline_keeps_outputs:
+    if keeps_chunk_outputs(ctx, pipe):
         for st, cached in zip(stages, held_per_stage([sent for sent, _, _ in sends], pipe), strict=True):
             st.cached = cached
+    if pipe.degree == 1:
+        return
     for c, (sent, whole, gather) in enumerate(sends):
         sender, receiver = stages[c % pipe.degree], stages[(c + 1) % pipe.degree]
         wait = ctx.p2p_s(sent)

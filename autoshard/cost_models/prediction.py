@@ -20,6 +20,7 @@ from autoshard.cost_models.evaluate import (
     held_loss_bytes,
     held_per_stage,
     inflight_microbatches,
+    keeps_chunk_outputs,
 )
 from autoshard.cost_models.template import template_for
 from autoshard.plans.contract import expert_ops, kv_head_fraction
@@ -102,7 +103,7 @@ def predicted_cached_output_bytes(plan: Plan, graph: OpGraph, cluster, *, stage:
     pipe = plan.pipeline
     graph = priced_graph(plan, graph)
     ctx = context_for(plan, cluster, graph)
-    if pipe.degree == 1 or not ctx.pipeline_keeps_outputs:
+    if not keeps_chunk_outputs(ctx, pipe):
         return 0.0
     sends = cut_sends(graph, {p.op: p.strategy for p in plan.ops}, ctx, pipe)
     held = held_per_stage([sent for sent, _, _ in sends], pipe)[stage]

@@ -99,6 +99,10 @@ HELD_CASES = {
     "held-llama-pp2-dp2-interleaved": ("llama", 8, {"pp": 2, "dp": 2}, "replicate", 16, 1,
                                        {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
     "held-gpt2-pp2-tp2-1f1b": ("gpt2", 4, {"pp": 2, "tp": 2}, "megatron", 8, 1, {"schedule": "1f1b"}),
+    "held-llama-layered-dp4": ("llama", 4, {"dp": 4}, "replicate", 8, 1,
+                               {"schedule": "looped-bfs", "virtual_stages": 2}),
+    "held-gpt2-layered-dp2-tp2": ("gpt2", 4, {"dp": 2, "tp": 2}, "megatron", 8, 1,
+                                  {"schedule": "looped-bfs", "virtual_stages": 2}),
 }
 
 
