@@ -554,7 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for, again for recompute, at ~24 GB/s per GPU; DeepSpeed PR #1188, issue #1174)")
     e.add_argument("--tp-comm-overlap", nargs="?", const="all", default="", choices=("backward", "all"),
                    help="tensor-parallel collectives overlap compute, as autoshard's runtime does not (plans never "
-                        "assume it): 'all' (the default when given) as Megatron-Core's --tp-comm-overlap; "
+                        "assume it): 'all' (the default when given), each collective pipelined with the GEMM it feeds or "
+                        "is fed by, as Megatron-Core's --tp-comm-overlap and torchtitan's async TP; "
                         "'backward': each linear's input-gradient collective runs beside its weight-gradient GEMM, "
                         "as Megatron-LM's asynchronous tensor-parallel communication (2022 on)")
     e.add_argument("--compile", action="store_true",

@@ -12,7 +12,7 @@ from autoshard.cost_models.overlap import exposed_comm_s
 from autoshard.hardware_profiles import ClusterSpec, load_gpu
 from autoshard.models import load_model
 from autoshard.planner.estimate import HandConfig, estimate
-from autoshard.plans.layouts import MeshSpec
+from autoshard.plans.layouts import Layout, MeshSpec
 from autoshard.plans.strategies import strategies_for
 
 TINY_LLAMA_SPEC = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
@@ -553,6 +553,59 @@ def test_a_sequence_parallel_input_is_gathered_once_per_attention_and_mlp_unless
 
     assert layer0_gathers() == pytest.approx((2.0, 0.0))
     assert layer0_gathers(fused_kernels=True) == pytest.approx((5.0, 5.0))
+
+
+def test_a_float8_input_under_tensor_parallelism_is_cast_once_on_its_shard_before_the_gather():
+    """torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput (torchtitan's float8 TP) cast the sequence shard
+    to float8 and gather it in one byte, once for q, k and v: the edge prices the cast of the shard, its share
+    of it, and the Linear casts no input of its own in forward."""
+    from autoshard.cost_models.compute import memory_bound_time_s
+    from autoshard.cost_models.float8 import cast_bytes_per_elem
+    from autoshard.cost_models.opcost import edge_cost
+    from autoshard.plans.layouts import SEQ, layout
+
+    graph = capture_model(load_model(LLAMA))
+    ctx = PlanContext(mesh=MeshSpec.of(tp=2), cluster=ClusterSpec.parse("1x2xH100-80GB"), micro_batch=1,
+                      num_microbatches=1, float8="tensorwise", compile=True)
+    q = next(op for op in graph.ops if op.name.endswith("layers.0.self_attn.q_proj"))
+    per_elem = cast_bytes_per_elem("tensorwise", "fwd", "x", compiled=True)
+    meta = graph.op(q.inputs[0]).output_meta
+    kw = dict(share=1 / 3, gather_bytes_per_elem=1.0)
+    plain = edge_cost(meta, layout(tp=SEQ), Layout(), frozenset({"tp"}), ctx, **kw)
+    cast = edge_cost(meta, layout(tp=SEQ), Layout(), frozenset({"tp"}), ctx, input_cast_bytes_per_elem=per_elem, **kw)
+    shard = meta.numel / 2  # the tokens one of 2 ranks holds
+    assert cast.fwd_s - plain.fwd_s == pytest.approx(memory_bound_time_s(shard * per_elem, ctx.gpu, kernels=0) / 3)
+    col = next(s for s in strategies_for(q, ctx.mesh, 1) if s.name == "col" and s.zero == 0)
+    without_tp = PlanContext(mesh=MeshSpec.of(dp=2), cluster=ctx.cluster, micro_batch=1, num_microbatches=1,
+                             float8="tensorwise", compile=True)
+    dp_col = next(s for s in strategies_for(q, without_tp.mesh, 1) if s.zero == 0)
+    x = q.gemm[0] * q.gemm[2]  # the gathered input's elements
+    # data parallel: the Linear casts its whole input itself; under TP the edge did, on the shard
+    assert op_cost(q, dp_col, without_tp).fwd_s - op_cost(q, col, ctx).fwd_s > 0.9 * memory_bound_time_s(
+        x * per_elem, ctx.gpu, kernels=0)
+
+
+def test_overlapped_tensor_parallel_collectives_hide_only_behind_the_gemm_they_are_pipelined_with():
+    """--tp-comm-overlap all (Megatron-Core's userbuffers, torchtitan's async TP): a collective chunked with the
+    GEMM it feeds hides up to that GEMM's time; next to no GEMM (a norm) it hides nothing. A 2-layer Llama
+    with a tiny hidden size and long sequences on 8 ranks, where each gather outlasts its GEMM: the step keeps
+    at least what exceeds the GEMMs exposed."""
+    from autoshard.cost_models.evaluate import _beside_gemms
+
+    graph = capture_model(load_model("llama:layers=2,hidden=64,heads=8,ffn=128,seq=4096,vocab=128"))
+    cluster = _kernels_only("1x8xA100-80GB")
+    cfg = dict(tp=8, micro_batch=1, global_batch=1, sequence_parallel=True, sequence_parallel_regather=True)
+    none = estimate(graph, cluster, HandConfig(**cfg))[1]
+    both = estimate(graph, cluster, HandConfig(**cfg, tp_comm_overlap="all"))[1]
+    ctx_all = PlanContext(mesh=MeshSpec.of(tp=8), cluster=cluster, micro_batch=1, num_microbatches=1,
+                          tp_overlap="all")
+    q, norm = "model.layers.0.self_attn.q_proj", "model.layers.0.input_layernorm"
+    gemm = both.op_costs[q].fwd_s
+    assert _beside_gemms(5 * gemm, 0.0, q, norm, both.op_costs, graph, ctx_all) == pytest.approx(gemm)
+    assert _beside_gemms(5 * gemm, 5 * gemm, norm, "model.embed_tokens", both.op_costs, graph, ctx_all) == 0.0
+    hidden = none.prediction.time.exposed_comm_s - both.prediction.time.exposed_comm_s
+    gemms = sum(c.fwd_s + c.bwd_s / 2 for n, c in both.op_costs.items() if n.endswith("_proj"))
+    assert 0 < hidden <= gemms * (2 if any(c.recompute_s for c in both.op_costs.values()) else 1)
 
 
 # -- pipeline boundaries ---------------------------------------------------------------------------------------

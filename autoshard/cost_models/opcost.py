@@ -208,7 +208,9 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
         dw = gemm_time_s(n_local, k_local, m_local, gpu, bytes_per_elem=ab, float8=f8)
         dx = gemm_time_s(m_local, k_local, n_local, gpu, bytes_per_elem=ab, float8=f8) if op.needs_input_grad else 0.0
         if f8:
-            cf, cb = _float8_cast_s(op, st, ctx, x=m_local * k_local, w=n_local * k_local, g=m_local * n_local)
+            x_fwd = 0.0 if float8_input_cast_on_edge(ctx) else m_local * k_local
+            cf, cb = _float8_cast_s(op, st, ctx, x=m_local * k_local, w=n_local * k_local, g=m_local * n_local,
+                                    x_fwd=x_fwd)
             fwd, dw = fwd + cf, dw + cb
         return fwd, dw + dx
     split = max(_deg(ins, ctx, (BATCH, SEQ, FEAT)), 1)
@@ -249,15 +251,27 @@ def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     return fwd, 2 * fwd if op.kind is not OpKind.EMBEDDING else fwd
 
 
-def _float8_cast_s(op: Op, st: OpStrategy, ctx: PlanContext, *, x: float, w: float, g: float) -> tuple[float, float]:
+def float8_input_cast_on_edge(ctx: PlanContext) -> bool:
+    """Under tensor parallelism with tensorwise scaling a float8 Linear's input is cast where it arrives, before
+    it is gathered, once for every Linear reading it (torchao's `Float8ColwiseParallel` / `Float8RowwiseParallel`
+    cast the local shard in their input hook, `PrepareFloat8ModuleInput` once for q, k and v, as torchtitan
+    applies them; torchao/float8/float8_tensor_parallel.py): priced on the edge (`edge_cost`'s
+    `input_cast_bytes_per_elem`), not in the op."""
+    return ctx.float8 == "tensorwise" and bool(ctx.mesh.tp_axes)
+
+
+def _float8_cast_s(op: Op, st: OpStrategy, ctx: PlanContext, *, x: float, w: float, g: float,
+                   x_fwd: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of a float8 Linear's casts (cost_models/float8.py) of its local input `x`,
     weight `w` and output gradient `g` elements; a weight FSDP2 gathers in float8 is cast on its shard before
-    the gather, once per gather (forward; backward uses the gathered float8 weight's transpose)."""
+    the gather, once per gather (forward; backward uses the gathered float8 weight's transpose). `x_fwd`: the
+    input elements cast in forward where not `x` (0 where the edge casts it: `float8_input_cast_on_edge`)."""
     recipe, compiled = ctx.float8, ctx.compiled(op)
+    x_fwd = x if x_fwd is None else x_fwd
     w_fwd, w_bwd = w, w
     if float8_all_gather(recipe) and ctx.mesh.degree("dp") > 1 and st.zero >= 3:
         w_fwd, w_bwd = w / ctx.mesh.degree("dp"), 0.0
-    fwd = x * cast_bytes_per_elem(recipe, "fwd", "x", compiled=compiled) + \
+    fwd = x_fwd * cast_bytes_per_elem(recipe, "fwd", "x", compiled=compiled) + \
         w_fwd * cast_bytes_per_elem(recipe, "fwd", "w", compiled=compiled)
     bwd = g * cast_bytes_per_elem(recipe, "bwd", "g", compiled=compiled) + \
         x * cast_bytes_per_elem(recipe, "bwd", "x", compiled=compiled) + \
@@ -331,6 +345,8 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
         f, b, i, g, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit, outer=outer,
                                                      param_bytes=1 if f8_gather else None)
         dp_f, dp_b, dp_i, dp_g, dp_s = dp_f + f, dp_b + b, dp_i + i, dp_g + g, dp_s + sync
+        if held < st.zero and st.zero >= 3:  # in a pipeline FSDP2 gathers into the whole parameters the stage
+            tr = 0.0  # holds already (`held`): its all-gather output is the unsharded parameters' storage
         transient = max(transient, tr)
         comm += c
         iter_comm += ic
@@ -724,7 +740,8 @@ def _context_parallel_attention(op: Op, st: OpStrategy, ctx: PlanContext, fwd: f
 # -- edges -------------------------------------------------------------------------------------------------
 def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozenset[str],
               ctx: PlanContext, *, regather: bool = False, share: float = 1.0,
-              grad_share: float | None = None, gather_bytes_per_elem: float | None = None) -> EdgeCost:
+              grad_share: float | None = None, gather_bytes_per_elem: float | None = None,
+              input_cast_bytes_per_elem: float = 0.0) -> EdgeCost:
     """Redistribute a tensor from its producer's layout `src` to its consumer's `dst`, and its gradient back.
     `regather`: the consumer keeps only the shard for backward (sequence parallel, 2D) and gathers it again
     there, so every forward all-gather happens once more in backward.
@@ -744,7 +761,10 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
     `gather_bytes_per_elem`: what the forward all-gathers move per element where not the activation dtype's: a
     float8 Linear under tensorwise scaling gathers its sequence-parallel input already cast to float8 (1 byte;
     torchao/float8/float8_tensor_parallel.py `Float8ColwiseParallel`, `PrepareFloat8ModuleInput`, which
-    torchtitan's float8 tensor parallelism applies); its gradient comes back in 16 bits."""
+    torchtitan's float8 tensor parallelism applies); its gradient comes back in 16 bits.
+    `input_cast_bytes_per_elem`: that cast's bytes per element (`float8.cast_bytes_per_elem`), run on the
+    producer's local tensor (the sequence shard) before the gather, this edge's `share` of it
+    (`float8_input_cast_on_edge`)."""
     if not meta.batch_dims:  # a tensor without a batch dim is never batch-sharded
         src, dst = _drop_batch(src), _drop_batch(dst)
     full = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch)
@@ -770,6 +790,10 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
         if regather and kind == "all_gather":
             bwd += t
             comm.append((kind, nbytes))
+    if input_cast_bytes_per_elem:
+        src_shards = math.prod(ctx.mesh.degree(a) for a in axes if src.get(a).startswith("S("))
+        local = full / ctx.precision.act_bytes / src_shards
+        fwd += memory_bound_time_s(local * input_cast_bytes_per_elem, ctx.gpu, kernels=0)
     if share != 1.0 and not regather:
         fwd, bwd = fwd * share, bwd * share
         comm, forward = [(k, b * share) for k, b in comm], [(k, b * share) for k, b in forward]

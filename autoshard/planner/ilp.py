@@ -35,7 +35,8 @@ Constraints
                                                                        the first forward (evaluate.py also
                                                                        counts the link they share with
                                                                        Db_k, Df_k; the rows do not)
-    (with --tp-comm-overlap P_k enters as P_k/u_k + Et_k, Et_k overlapping F_k + B_k like ZeRO traffic)
+    (P_k on the critical path: the runtime overlaps no tensor-parallel collective, and the planner prices
+    only what it runs; `estimate --tp-comm-overlap` prices other engines in evaluate.py)
     opt_k = sum_o n_k(o) sum_s optim_state_bytes[o,s]·r x[o,s]         optimizer step: r the seconds per
                                                                        state byte of torch's AdamW passes
                                                                        or a fused Adam (`optimizer_s_per_
@@ -275,13 +276,10 @@ def _stage_time(lp, tg, costs, x, ctx, pipe, edge_terms, out_terms, units, p2p, 
         Ef = _overlap_rows(lp, f"Ef_{k}", dpf, fwd, units=u, slowdown=slow, per=per)
         Eb = _overlap_rows(lp, f"Eb_{k}", dpb, bwd, units=u, slowdown=slow, per=per)
         first = [(v, c / (u * per)) for v, c in dpf + dpb]
-        if ctx.tp_overlap == "all":  # the planner never sets it; estimate prices "backward" (evaluate.py)
-            Et = _overlap_rows(lp, f"Et_{k}", tp, fwd + bwd, units=u, slowdown=slow)
-            tp_terms = [(v, c / u) for v, c in tp] + [(Et, 1.0)]
-        else:
-            tp_terms = tp
+        # tensor-parallel collectives on the critical path: the runtime overlaps none, and the planner never sets
+        # ctx.tp_overlap (estimate prices other engines' overlap in evaluate.py)
         lp += pulp.LpConstraint(_aff([(T, 1.0), (Ef, -1.0), (Eb, -1.0)] + [(v, -c) for v, c in fwd + bwd + first]
-                                     + [(v, -c) for v, c in tp_terms]), pulp.LpConstraintGE, rhs=p2p[k] - in_floor)
+                                     + [(v, -c) for v, c in tp]), pulp.LpConstraintGE, rhs=p2p[k] - in_floor)
         S = _overlap_rows(lp, f"S_{k}", dpit, bwd, units=u, slowdown=slow)
         dpg = [(v, c) for v, c in dpg if c]
         Sg = [_overlap_rows(lp, f"Sg_{k}", dpg, fwd, units=u, slowdown=slow)] if dpg else []
