@@ -134,21 +134,36 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
         plan = dc_replace(plan, **graph_fields(full))
     need = plan.prediction.memory.total_bytes
     if check_memory and need > cluster.device_memory_bytes:
-        fixes, params = _memory_fixes(cfg)
+        fixes, params = _memory_fixes(cfg, loss_bytes=_loss_buffer_bytes(graph, cfg))
         raise ConfigurationError(
             f"this configuration needs {need / 2**30:.1f} GiB per GPU but {cluster.gpu.name} has "
             f"{cluster.device_memory_bytes / 2**30:.0f} GiB; {fixes}", params=params)
     return plan, cluster
 
 
-def _memory_fixes(cfg: HandConfig) -> tuple[str, tuple[str, ...]]:
+def _loss_buffer_bytes(graph, cfg: HandConfig) -> float:
+    """The cross-entropy's buffers at the start of backward, on the whole vocabulary (`memory.loss_buffer_bytes`)."""
+    from autoshard.cost_models.memory import loss_buffer_bytes
+
+    numel = sum(graph.op(o).output_meta.numel for o in graph.outputs
+                if graph.op(o).output_meta.batch_dims and graph.op(o).output_meta.dtype.startswith(("float", "bf")))
+    return loss_buffer_bytes(numel * cfg.micro_batch, fused=cfg.fused_loss)
+
+
+def _memory_fixes(cfg: HandConfig, *, loss_bytes: float = 0.0) -> tuple[str, tuple[str, ...]]:
     """What would shrink a hand configuration that does not fit, in the order a user would try it: only the
     knobs not already at their smallest-memory setting (sequence parallelism first when tensor parallelism
-    runs without it: it divides the activations outside the matmuls by tp)."""
+    runs without it: it divides the activations outside the matmuls by tp). Under tensor parallelism a loss
+    whose buffers (`loss_bytes`) reach 8 GiB names loss_parallel too: the engines that run TP compute it on
+    the vocabulary shards (torchtitan, Megatron-LM), autoshard's runtime on the gathered logits."""
     fixes, params = [], []
     if cfg.tp > 1 and not cfg.sequence_parallel:
         fixes.append("add sequence_parallel")
         params.append("sequence_parallel")
+    if cfg.tp > 1 and not cfg.loss_parallel and loss_bytes >= 8 * 2**30:
+        fixes.append(f"add loss_parallel (the loss holds {loss_bytes / 2**30:.0f} GiB on the whole vocabulary; "
+                     "torchtitan and Megatron-LM compute it on the tensor-parallel shards)")
+        params.append("loss_parallel")
     if cfg.recompute != "full":
         fixes.append("use recompute='full'")
         params.append("recompute")

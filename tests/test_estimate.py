@@ -47,6 +47,18 @@ def test_configuration_that_does_not_fit_reports_the_memory_it_needs():
         estimate_config("gpt3-175b", "1x8xA100-80GB", tp=8, global_batch=8)
 
 
+def test_a_tensor_parallel_run_whose_loss_does_not_fit_is_told_to_compute_it_on_the_vocabulary_shards():
+    """Llama's 128K vocabulary at 8 x 8K tokens: the loss's fp32 buffers on the whole vocabulary (94 GiB) do not
+    fit where torchtitan's loss_parallel (each rank its shard) does."""
+    model = "llama:layers=2,hidden=1024,heads=8,kv_heads=8,ffn=2048,seq=8192,vocab=128256"
+    kw = dict(tp=2, dp=1, micro_batch=8, global_batch=8, sequence_parallel=True)
+    with pytest.raises(ConfigurationError) as err:
+        estimate_config(model, "1x2xH100-80GB", **kw)
+    assert "add loss_parallel (the loss holds 94 GiB" in str(err.value) and "loss_parallel" in err.value.params
+    plan, _ = estimate_config(model, "1x2xH100-80GB", loss_parallel=True, **kw)
+    assert plan.prediction.memory.total_bytes <= 80 * 2**30
+
+
 def test_a_configuration_that_does_not_fit_names_only_the_fixes_that_apply_sequence_parallel_first():
     with pytest.raises(ConfigurationError) as err:  # tp 8 without sequence parallelism, recompute none
         estimate_config("gpt3-175b", "1x8xA100-80GB", tp=8, global_batch=8)
