@@ -68,7 +68,7 @@ from autoshard.plans.layouts import BATCH, FEAT, SEQ, Layout
 from autoshard.plans.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.plans.strategies import same_strategy
 
-__all__ = ["cached_chunk_outputs_bytes", "cached_logits_bytes", "held_loss_bytes", "held_per_stage", "keeps_chunk_outputs", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
+__all__ = ["cached_chunk_outputs_bytes", "cached_logits_bytes", "held_loss_bytes", "held_per_stage", "keeps_chunk_outputs", "recv_buffer_bytes", "chunk_sends_bytes", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
            "stage_units", "recompute_stops_before", "optimizer_s", "optimizer_step_host_s", "edge_step_s", "edge_time_s",
@@ -284,6 +284,7 @@ class _Stage:
     # bytes of the model's outputs it keeps for backward and the loss's saved tensors of the other micro-batches in
     # flight (`cached_logits_bytes`, `held_loss_bytes`)
     logits: float = 0.0
+    recv_buffers: float = 0.0  # the schedule's receive buffers, every micro-batch's (`recv_buffer_bytes`)
     tp_hidden: float = 0.0  # of `tp`, what runs beside GEMMs (tp_overlap: `_beside_wgrad`, `_beside_gemms`)
     host_fwd: float = 0.0  # GPUs: host seconds issuing a micro-batch's forward (cost_models/host.py)
     host_bwd: float = 0.0  # ... and its backward with recompute
@@ -607,11 +608,36 @@ def cached_chunk_outputs_bytes(graph: OpGraph, ctx: PlanContext, pipe: PipelineS
     parallelism holds 1/t of it). Not here: the last chunk's output (the logits): `cached_logits_bytes`."""
     if not keeps_chunk_outputs(ctx, pipe):
         return [0.0] * pipe.degree
+    return held_per_stage(chunk_sends_bytes(graph, ctx, pipe), pipe)
+
+
+def chunk_sends_bytes(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec) -> list[float]:
+    """Per cut, bytes one rank sends per micro-batch without an assignment (the ILP's constant rows): the
+    hidden states / the tensor-parallel degree across stages, what 1D sends with or without sequence
+    parallelism (`cut_sends`); whole on one rank."""
     tp = ctx.mesh.tp_degree if pipe.degree > 1 else 1
-    sends = [max((tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / tp
-                  for _, c_src, c_dst, meta in _boundary_edges(graph, pipe) if c_src == c and c_dst == c + 1),
-                 default=0.0) for c in range(pipe.degree * pipe.virtual_stages - 1)]
-    return held_per_stage(sends, pipe)
+    return [max((tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch) / tp
+                 for _, c_src, c_dst, meta in _boundary_edges(graph, pipe) if c_src == c and c_dst == c + 1),
+                default=0.0) for c in range(pipe.degree * pipe.virtual_stages - 1)]
+
+
+def recv_buffer_bytes(sends: list[float], ctx: PlanContext, pipe: PipelineSpec) -> list[float]:
+    """Per stage, bytes of the receive buffers torch.distributed.pipelining allocates once for every micro-batch
+    of the step and keeps (stage.py `_prepare_forward_infra` / `_setup_backward_recv_info`: a `_RecvInfo` buffer
+    per micro-batch): for each cut c (`sends[c]` bytes per micro-batch, chunk c -> c + 1), m buffers of the
+    hidden states on the chunk that receives them and m of their gradient on the chunk that sent them; on one
+    rank too (layered accumulation). Measured to the byte on 4 gloo ranks (tests/distributed/test_pipeline.py:
+    1F1B, GPipe, interleaved, layered, 1D). Megatron's schedules allocate per transfer: none. The in-flight
+    micro-batches' received hidden states are also the saved input of their chunk's first op, counted there
+    again (at most p micro-batches' hidden states over)."""
+    out = [0.0] * pipe.degree
+    if not keeps_chunk_outputs(ctx, pipe):
+        return out
+    m = ctx.num_microbatches
+    for c, sent in enumerate(sends):
+        out[c % pipe.degree] += m * sent  # the gradient coming back to what chunk c sent
+        out[(c + 1) % pipe.degree] += m * sent  # the hidden states chunk c + 1 receives
+    return out
 
 
 def keeps_chunk_outputs(ctx: PlanContext, pipe: PipelineSpec) -> bool:
@@ -643,8 +669,10 @@ def _boundaries(graph, assign, ctx, pipe, stages) -> None:
     chunk's output) until that micro-batch's backward (`cached_chunk_outputs_bytes`)."""
     sends = cut_sends(graph, assign, ctx, pipe)
     if keeps_chunk_outputs(ctx, pipe):
-        for st, cached in zip(stages, held_per_stage([sent for sent, _, _ in sends], pipe), strict=True):
-            st.cached = cached
+        sent = [s for s, _, _ in sends]
+        for st, cached, recv in zip(stages, held_per_stage(sent, pipe), recv_buffer_bytes(sent, ctx, pipe),
+                                    strict=True):
+            st.cached, st.recv_buffers = cached, recv
     if pipe.degree == 1:
         return
     for c, (sent, whole, gather) in enumerate(sends):
@@ -760,7 +788,8 @@ def _memory(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: int) 
     groups = sum(1 for a in ctx.mesh.names if ctx.mesh.degree(a) > 1)
     out = []
     for i, st in enumerate(stages):
-        acts = (st.saved + st.cached) * inflight_microbatches(i, pipe, m) + st.recompute_peak + st.logits
+        acts = (st.saved + st.cached) * inflight_microbatches(i, pipe, m) + st.recompute_peak + st.logits + \
+            st.recv_buffers
         transient = 2 * st.transient + st.loss_bytes
         dynamic = acts + transient  # allocated and freed every step: what fragments the allocator's pool
         out.append(st.memory + MemoryBreakdown(activations_bytes=acts, transient_bytes=transient,

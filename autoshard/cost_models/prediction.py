@@ -21,6 +21,7 @@ from autoshard.cost_models.evaluate import (
     held_per_stage,
     inflight_microbatches,
     keeps_chunk_outputs,
+    recv_buffer_bytes,
 )
 from autoshard.cost_models.template import template_for
 from autoshard.plans.contract import expert_ops, kv_head_fraction
@@ -29,7 +30,7 @@ from autoshard.plans.strategies import same_strategy
 
 __all__ = ["context_for", "priced_graph", "evaluate_plan", "predicted_step_comm", "predicted_p2p_bytes",
            "predicted_cached_output_bytes", "predicted_cached_logits_bytes",
-           "predicted_held_loss_bytes",
+           "predicted_held_loss_bytes", "predicted_recv_buffer_bytes",
            "predicted_param_bytes"]
 
 
@@ -118,6 +119,15 @@ def predicted_cached_logits_bytes(plan: Plan, graph: OpGraph, cluster, *, stage:
     ctx = context_for(plan, cluster, graph)
     assign = {p.op: p.strategy for p in plan.ops}
     return cached_logits_bytes(graph, tg.outputs, stages, ctx, plan.pipeline, assign)[stage]
+
+
+def predicted_recv_buffer_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
+    """Bytes of the receive buffers one rank of pipeline stage `stage` keeps for the step's micro-batches
+    (`evaluate.recv_buffer_bytes`, from what crosses each cut, `evaluate.cut_sends`)."""
+    graph = priced_graph(plan, graph)
+    ctx = context_for(plan, cluster, graph)
+    sends = cut_sends(graph, {p.op: p.strategy for p in plan.ops}, ctx, plan.pipeline)
+    return recv_buffer_bytes([sent for sent, _, _ in sends], ctx, plan.pipeline)[stage]
 
 
 def predicted_held_loss_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:

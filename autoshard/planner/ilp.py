@@ -83,6 +83,7 @@ from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.evaluate import (
     cached_chunk_outputs_bytes,
     cached_logits_bytes,
+    chunk_sends_bytes,
     compiled_graphs_host_s,
     edge_time_s,
     held_loss_bytes,
@@ -92,6 +93,7 @@ from autoshard.cost_models.evaluate import (
     optimizer_s_per_state_byte,
     optimizer_step_host_s,
     pipeline_fill,
+    recv_buffer_bytes,
     sink_layout,
     stage_units,
 )
@@ -408,15 +410,16 @@ def fixed_stage_rows(graph: OpGraph, tg: TemplateGraph, stage: dict[str, int], c
                      pipe: PipelineSpec, p2p_bytes: float = 0.0) -> tuple[list[float], list[float]]:
     """Per pipeline stage: (seconds its time row pays whatever the strategies: p2p sends and the loss both
     ways; bytes the loss holds, with the chunk outputs and logits the schedule keeps: `cached_chunk_outputs_bytes`
-    per micro-batch in flight, `cached_logits_bytes`, and the loss's saved tensors of the other micro-batches in
-    flight, `held_loss_bytes`). The search's lower bounds (`candidate_bound.py`) use the
+    per micro-batch in flight, `cached_logits_bytes`, the loss's saved tensors of the other micro-batches in
+    flight, `held_loss_bytes`, and the receive buffers of every micro-batch, `recv_buffer_bytes`). The search's lower bounds (`candidate_bound.py`) use the
     same rows."""
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
     p2p = 2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0
     cached = cached_chunk_outputs_bytes(graph, ctx, pipe)
     logits = cached_logits_bytes(graph, tg.outputs, stage, ctx, pipe)
     losses = held_loss_bytes(graph, tg.outputs, stage, ctx, pipe)
-    held = [b + logits[k] + losses[k] + cached[k] * inflight_microbatches(k, pipe, ctx.num_microbatches)
+    recv = recv_buffer_bytes(chunk_sends_bytes(graph, ctx, pipe), ctx, pipe)
+    held = [b + logits[k] + losses[k] + recv[k] + cached[k] * inflight_microbatches(k, pipe, ctx.num_microbatches)
             for k, b in enumerate(loss_bytes)]
     return [p2p + 2 * t for t in loss_time], held
 

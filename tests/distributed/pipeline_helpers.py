@@ -268,8 +268,16 @@ def _held_case(case: dict) -> dict:
             return _orig(*a, **k)
     schedule._loss_fn = loss_fn
     train_step(pm, (lx,), ly)
+    buffers = {}  # the receive buffers the stages allocated for every micro-batch, activations and gradients
+    for st in stages:
+        for infos in (*st.args_recv_info.values(), *st.grad_recv_info.values()):
+            for info in infos:
+                b = getattr(info, "buffer", None)
+                if isinstance(b, torch.Tensor):
+                    buffers[b.untyped_storage().data_ptr()] = b.untyped_storage().nbytes()
     return {"case": case["id"], "held_bytes": peak[0], "held_logits_bytes": peak_logits[0],
-            "held_loss_bytes": peak_loss[0], "stage": pm.mesh.get_local_rank("pp")}
+            "held_loss_bytes": peak_loss[0], "recv_buffer_bytes": sum(buffers.values()),
+            "stage": pm.mesh.get_local_rank("pp")}
 
 
 def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:

@@ -91,7 +91,8 @@ PIPELINED_ZERO_CASES = {2: ("gpt2", "gpt2-pp2-dp2-zero2-4mb"), 3: ("llama", "lla
 # chunk outputs the schedule keeps for backward (evaluate.cached_chunk_outputs_bytes), at their most on each rank:
 # 1F1B (p - stage in flight), GPipe (all m), interleaved (v chunks per stage), 1D tensor parallelism (each rank
 # keeps the slice it sends); and the last chunk's, the logits (evaluate.cached_logits_bytes: m under GPipe, else 1),
-# and the tensors the loss saves (evaluate.held_loss_bytes: the fp32 log-probabilities, m under GPipe, else 1).
+# and the tensors the loss saves (evaluate.held_loss_bytes: the fp32 log-probabilities, m under GPipe, else 1);
+# and the receive buffers allocated for every micro-batch (evaluate.recv_buffer_bytes).
 # id -> (model, layers, mesh degrees, family, global batch, micro-batch, options)
 HELD_CASES = {
     "held-llama-pp4-1f1b": ("llama", 4, {"pp": 4}, "replicate", 8, 1, {"schedule": "1f1b"}),
@@ -369,11 +370,12 @@ def test_schedule_and_micro_batches_are_checked_before_any_collective(schedule, 
 
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("case_id", list(HELD_CASES))
-def test_a_stage_keeps_the_chunk_outputs_it_sends_and_its_losses_for_every_micro_batch_in_flight_as_priced(case_id):
+def test_a_stage_keeps_its_chunk_outputs_losses_and_receive_buffers_as_priced(case_id):
     from autoshard.cost_models.prediction import (
         predicted_cached_logits_bytes,
         predicted_cached_output_bytes,
         predicted_held_loss_bytes,
+        predicted_recv_buffer_bytes,
     )
     from autoshard.hardware_profiles.cluster import ClusterSpec
 
@@ -383,9 +385,11 @@ def test_a_stage_keeps_the_chunk_outputs_it_sends_and_its_losses_for_every_micro
         predicted = predicted_cached_output_bytes(case["plan"], case["graph"], cluster, stage=r["stage"])
         logits = predicted_cached_logits_bytes(case["plan"], case["graph"], cluster, stage=r["stage"])
         loss = predicted_held_loss_bytes(case["plan"], case["graph"], cluster, stage=r["stage"])
+        recv = predicted_recv_buffer_bytes(case["plan"], case["graph"], cluster, stage=r["stage"])
         print(f"{case_id} stage {r['stage']}: held {r['held_bytes']} predicted {predicted:.0f}; "
               f"logits {r['held_logits_bytes']} predicted {logits:.0f}; loss {r['held_loss_bytes']} "
-              f"predicted {loss:.0f}")
+              f"predicted {loss:.0f}; receive buffers {r['recv_buffer_bytes']} predicted {recv:.0f}")
         assert r["held_bytes"] == predicted
         assert r["held_logits_bytes"] == logits
         assert r["held_loss_bytes"] == loss
+        assert r["recv_buffer_bytes"] == recv
