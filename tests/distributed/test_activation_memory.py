@@ -18,7 +18,7 @@ from dist_models import build, example_batch
 from dist_plans import make_plan
 
 from autoshard.api import resolve_cluster
-from autoshard.cost_models.prediction import evaluate_plan
+from autoshard.cost_models.prediction import evaluate_plan, predicted_recv_buffer_bytes
 from autoshard.plans.layouts import MeshSpec
 
 pytestmark = [pytest.mark.distributed]
@@ -30,6 +30,8 @@ CASES = {
     "llama-zero3": ("llama", "replicate", {"dp": 2}, {"zero": 3}),
     "llama-1d": ("llama", "megatron", {"tp": 2}, {}),
     "llama-1d-sp": ("llama", "megatron-sp", {"tp": 2}, {}),
+    # torchtitan's sequence parallelism: the norm's shard gathered once for q, k, v (gate, up) and kept gathered
+    "llama-1d-sp-gather-once": ("llama", "torchtitan-sp", {"tp": 2}, {}),
     "gpt2-1d": ("gpt2", "megatron", {"tp": 2}, {}),
     "gpt2-1d-sp": ("gpt2", "megatron-sp", {"tp": 2}, {}),
     "llama-1d-full-recompute": ("llama", "megatron", {"tp": 2}, {"recompute": "full"}),
@@ -103,7 +105,11 @@ def _pipeline_results() -> dict[str, tuple[list[int], list]]:
         graph = capture(build_model(model, layers), (batch(model, 2)[0],))
         plan = make_pipeline_plan(graph, {"pp": 2}, "replicate", global_batch=m, micro_batch=1, schedule=schedule,
                                   virtual_stages=v)
-        predicted[case_id] = evaluate_plan(plan, graph, resolve_cluster("1x2xcpu")).stage_memory
+        cluster = resolve_cluster("1x2xcpu")
+        # the schedule's receive buffers are not autograd's (test_pipeline.py measures them): left out here
+        recv = [predicted_recv_buffer_bytes(plan, graph, cluster, stage=k) for k in range(2)]
+        predicted[case_id] = [replace(mem, activations_bytes=mem.activations_bytes - r)
+                              for mem, r in zip(evaluate_plan(plan, graph, cluster).stage_memory, recv, strict=True)]
         cases.append({"id": case_id, "model": model, "layers": layers, "plan": plan, "graph": graph, "batch": m})
     per_rank = run_world(pipeline_peak_bytes, 2, cases, timeout_s=300)
     return {c["id"]: ([rank[i] for rank in per_rank], predicted[c["id"]]) for i, c in enumerate(cases)}
@@ -115,7 +121,8 @@ def test_each_pipeline_stage_holds_the_micro_batches_in_flight_the_cost_model_ch
     """Peak bytes autograd holds on each rank during one train step (torch.distributed.pipelining's schedule):
     the first stage p + (p - 1)/v micro-batches' activations, the last stage its warmup's (interleaved with v = 3:
     5/3, where p - stage + (p - 1)/v said 4/3), plus the loss's saved log-probabilities, which the cost model
-    counts in its loss buffers. Within 10%: the tiny model's rotary tables and masks are a few % of a layer."""
+    counts in its loss buffers (the schedule's receive buffers apart). Within 10%: the tiny model's rotary tables
+    and masks are a few % of a layer."""
     (first, last), stages = _pipeline_results()[case_id]
     assert first == pytest.approx(stages[0].activations_bytes, rel=0.10)
     assert last == pytest.approx(stages[1].activations_bytes + stages[1].transient_bytes, rel=0.10)
