@@ -354,8 +354,8 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
         c = edges[(e.src, e.dst, e.index)]
         t = edge_step_s(c, e.in_block, ctx)
         hidden = _beside_wgrad(c.bwd_s, e.dst, op_costs, graph, ctx)
-        replays = 2 if ctx.recompute == "full" and e.in_block else 1  # the recomputed forward's again
-        hidden += _beside_gemms(replays * c.fwd_s, c.bwd_s, e.dst, e.src, op_costs, graph, ctx)
+        replays = 2 if ctx.recompute == "full" and e.in_block else 1  # the recomputed forward's again, beside its GEMM
+        hidden += _beside_gemms(c.fwd_s, c.bwd_s, e.dst, e.src, op_costs, graph, ctx, replays=replays)
         for k, n in enumerate(e.per_stage):
             stages[k].tp += n * t
             stages[k].tp_hidden += n * hidden
@@ -417,7 +417,7 @@ def _gemm_op(name: str | None, graph: OpGraph) -> bool:
 
 
 def _beside_gemms(fwd_comm_s: float, bwd_comm_s: float, consumer: str, producer: str | None, op_costs,
-                  graph: OpGraph, ctx: PlanContext) -> float:
+                  graph: OpGraph, ctx: PlanContext, *, replays: int = 1) -> float:
     """Of a tensor-parallel collective's forward and backward seconds, those hidden under tp_overlap "all": the
     collective is cut into chunks pipelined with the GEMM it feeds or is fed by (a column-parallel Linear's input
     all-gather with its GEMM, a row-parallel Linear's output reduce-scatter with its; in backward the gradient's
@@ -427,14 +427,15 @@ def _beside_gemms(fwd_comm_s: float, bwd_comm_s: float, consumer: str, producer:
     _symmetric_memory). What outlasts that GEMM stays exposed (`exposed_beside_s`): a collective beside no GEMM
     (a norm's statistics) hides nothing. The PyTorch team reports ~20% forward and ~8% end-to-end gains for
     Llama 3 70B from async TP ("Introducing Async Tensor Parallelism in PyTorch", discuss.pytorch.org, 2024):
-    an overlap bounded by the GEMMs beside the collectives, not the whole step's compute."""
+    an overlap bounded by the GEMMs beside the collectives, not the whole step's compute. `replays`: forwards
+    run per micro-batch (2 where full recompute runs the collective and its GEMM again)."""
     if ctx.tp_overlap != "all" or fwd_comm_s + bwd_comm_s <= 0:
         return 0.0
     name = consumer if _gemm_op(consumer, graph) else producer if _gemm_op(producer, graph) else None
     if name is None:
         return 0.0
     c, slow = op_costs[name], ctx.gpu.overlap_slowdown
-    return (fwd_comm_s - exposed_beside_s(c.fwd_s, fwd_comm_s, slowdown=slow)
+    return (replays * (fwd_comm_s - exposed_beside_s(c.fwd_s, fwd_comm_s, slowdown=slow))
             + bwd_comm_s - exposed_beside_s(c.bwd_s / 2, bwd_comm_s, slowdown=slow))
 
 
