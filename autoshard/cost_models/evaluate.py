@@ -359,6 +359,8 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
         for k, n in enumerate(e.per_stage):
             stages[k].tp += n * t
             stages[k].tp_hidden += n * hidden
+            stages[k].fwd += n * c.fwd_compute_s
+            stages[k].bwd += n * c.fwd_compute_s * (replays - 1)  # recomputed in backward
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree, assign)

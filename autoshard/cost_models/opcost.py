@@ -103,6 +103,7 @@ class EdgeCost:
     bwd_s: float
     comm: tuple[tuple[str, float], ...] = ()
     fwd_comm: tuple[tuple[str, float], ...] = ()  # of `comm`, the forward's (issued again when recomputed)
+    fwd_compute_s: float = 0.0  # kernels the edge runs in forward besides its collectives (a float8 input cast)
 
     @property
     def time_s(self) -> float:
@@ -764,7 +765,7 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
     torchtitan's float8 tensor parallelism applies); its gradient comes back in 16 bits.
     `input_cast_bytes_per_elem`: that cast's bytes per element (`float8.cast_bytes_per_elem`), run on the
     producer's local tensor (the sequence shard) before the gather, this edge's `share` of it
-    (`float8_input_cast_on_edge`)."""
+    (`float8_input_cast_on_edge`): compute, in `fwd_compute_s`, not a collective's time."""
     if not meta.batch_dims:  # a tensor without a batch dim is never batch-sharded
         src, dst = _drop_batch(src), _drop_batch(dst)
     full = tensor_bytes(meta, ctx.precision, samples=ctx.micro_batch)
@@ -790,18 +791,19 @@ def edge_cost(meta: TensorMeta, src: Layout, dst: Layout, grad_partial: frozense
         if regather and kind == "all_gather":
             bwd += t
             comm.append((kind, nbytes))
+    cast = 0.0
     if input_cast_bytes_per_elem:
         src_shards = math.prod(ctx.mesh.degree(a) for a in axes if src.get(a).startswith("S("))
         local = full / ctx.precision.act_bytes / src_shards
-        fwd += memory_bound_time_s(local * input_cast_bytes_per_elem, ctx.gpu, kernels=0)
+        cast = memory_bound_time_s(local * input_cast_bytes_per_elem, ctx.gpu, kernels=0)
     if share != 1.0 and not regather:
-        fwd, bwd = fwd * share, bwd * share
+        fwd, bwd, cast = fwd * share, bwd * share, cast * share
         comm, forward = [(k, b * share) for k, b in comm], [(k, b * share) for k, b in forward]
     grad_share = 1.0 if regather else share if grad_share is None else grad_share
     for kind, axis, nbytes in _redistribution_steps(grad_from, grad_to, full, batch_on_dp, ctx):
         bwd += grad_share * ctx.redistribute_s(kind, nbytes, (axis,))
         comm.append((kind, grad_share * nbytes))
-    return EdgeCost(fwd, bwd, tuple(comm), tuple(forward))
+    return EdgeCost(fwd, bwd, tuple(comm), tuple(forward), fwd_compute_s=cast)
 
 
 def _redistribution_steps(start: dict[str, str], end: dict[str, str], full: float, batch_on_dp: bool,
