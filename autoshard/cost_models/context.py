@@ -135,9 +135,9 @@ class PlanContext:
     def pipeline_keeps_outputs(self) -> bool:
         """A pipeline stage keeps each in-flight micro-batch's chunk output until its backward: torch.distributed.
         pipelining (autoshard's runtime, torchtitan; stage.py `fwd_cache`), measured (evaluate.
-        `cached_chunk_outputs_bytes`). Not Megatron's schedules (`megatron_engine`): `deallocate_output_tensor` replaces an output's data by a scalar once it is sent,
-        keeping only its autograd graph (Megatron-LM pipeline_parallel/schedules.py). `deallocate_pipeline_outputs`
-        says it outright."""
+        `cached_chunk_outputs_bytes`). Not Megatron's schedules (`megatron_engine`): `deallocate_output_tensor`
+        replaces an output's data by a scalar once it is sent, keeping only its autograd graph (Megatron-LM
+        pipeline_parallel/schedules.py). `deallocate_pipeline_outputs` says it outright."""
         if self.deallocate_pipeline_outputs is not None:
             return not self.deallocate_pipeline_outputs
         return not self.megatron_engine
