@@ -143,10 +143,10 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
 
 def _loss_buffer_bytes(graph, cfg: HandConfig) -> float:
     """The cross-entropy's buffers at the start of backward, on the whole vocabulary (`memory.loss_buffer_bytes`)."""
+    from autoshard.cost_models.evaluate import has_loss
     from autoshard.cost_models.memory import loss_buffer_bytes
 
-    numel = sum(graph.op(o).output_meta.numel for o in graph.outputs
-                if graph.op(o).output_meta.batch_dims and graph.op(o).output_meta.dtype.startswith(("float", "bf")))
+    numel = sum(graph.op(o).output_meta.numel for o in graph.outputs if has_loss(graph.op(o).output_meta))
     return loss_buffer_bytes(numel * cfg.micro_batch, fused=cfg.fused_loss)
 
 

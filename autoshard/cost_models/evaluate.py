@@ -68,7 +68,7 @@ from autoshard.plans.layouts import BATCH, FEAT, SEQ, Layout
 from autoshard.plans.plan import OpStrategy, PipelineSpec, Prediction
 from autoshard.plans.strategies import same_strategy
 
-__all__ = ["cached_chunk_outputs_bytes", "cached_logits_bytes", "held_loss_bytes", "held_per_stage", "keeps_chunk_outputs", "recv_buffer_bytes", "chunk_sends_bytes", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
+__all__ = ["cached_chunk_outputs_bytes", "cached_logits_bytes", "held_loss_bytes", "has_loss", "held_per_stage", "keeps_chunk_outputs", "recv_buffer_bytes", "chunk_sends_bytes", "compiled_graphs_host_s", "Evaluation", "evaluate", "stage_of", "sink_layout", "block_inputs", "inflight_microbatches", "op_sites",
            "dp_units", "stage_exposed_s",
            "pipeline_fill",
            "stage_units", "recompute_stops_before", "optimizer_s", "optimizer_step_host_s", "edge_step_s", "edge_time_s",
@@ -451,14 +451,14 @@ def loss_s(output: TensorMeta, ctx: PlanContext) -> float:
     kernels. A fused cross-entropy kernel (`ctx.fused_loss`) reads the 16-bit logits once forward, reads them
     and writes their gradient backward: half of those three passes each way, one kernel. Outputs without a
     batch dim or that are not floating point cost nothing."""
-    if not _has_loss(output):
+    if not has_loss(output):
         return 0.0
     if ctx.fused_loss:
         return memory_bound_time_s(1.5 * output.numel * ctx.micro_batch * ctx.precision.act_bytes, ctx.gpu)
     return memory_bound_time_s(3 * output.numel * ctx.micro_batch * 4, ctx.gpu, kernels=4)
 
 
-def _has_loss(output: TensorMeta) -> bool:
+def has_loss(output: TensorMeta) -> bool:
     """A model output the training loss is computed on: floating point, with a batch dim."""
     return bool(output.batch_dims) and output.dtype.startswith(("float", "bfloat"))
 
@@ -477,7 +477,7 @@ def loss_per_stage(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanCont
         meta = graph.op(name).output_meta
         shards = vocab_shards(assign[name].output, ctx) if assign is not None else 1
         secs[stage[name]] += loss_s(meta, ctx) / shards
-        if _has_loss(meta):
+        if has_loss(meta):
             nbytes[stage[name]] += loss_buffer_bytes(meta.numel * ctx.micro_batch / shards, fused=ctx.fused_loss,
                                                      act_bytes=ctx.precision.act_bytes)
             if shards > 1:
@@ -499,12 +499,9 @@ def cached_logits_bytes(graph: OpGraph, outputs, stage: dict[str, int], ctx: Pla
     out = [0.0] * pipe.degree
     if not keeps_chunk_outputs(ctx, pipe):
         return out
-    inflight = ctx.num_microbatches if pipe.schedule == "gpipe" or pipe.layered else 1
-    for name in outputs:
-        meta = graph.op(name).output_meta
-        if _has_loss(meta):
-            shards = vocab_shards(assign[name].output, ctx) if assign is not None else 1
-            out[stage[name]] += inflight * meta.numel * ctx.micro_batch * ctx.precision.act_bytes / shards
+    inflight = _loss_inflight(ctx, pipe)
+    for name, meta, shards in _loss_outputs(graph, outputs, ctx, assign):
+        out[stage[name]] += inflight * meta.numel * ctx.micro_batch * ctx.precision.act_bytes / shards
     return out
 
 
@@ -513,22 +510,33 @@ def held_loss_bytes(graph: OpGraph, outputs, stage: dict[str, int], ctx: PlanCon
     """Per stage, bytes of the loss's own saved tensors (`memory.loss_saved_bytes`: the fp32 log-probabilities)
     for the micro-batches whose loss has run forward and not yet backward beside the one `loss_per_stage`
     prices at the start of backward: m - 1 under GPipe and layered accumulation, on one rank or across pipeline
-    stages (every micro-batch's loss graph lives until the backward phase), none under 1F1B and interleaving (a micro-batch's
-    backward follows its last chunk's forward). `first`: count that one too (the bytes at their peak, as
-    tests/distributed/test_pipeline.py measures them). On each rank's vocabulary shard under `loss_parallel`."""
+    stages (every micro-batch's loss graph lives until the backward phase), none under 1F1B and interleaving (a
+    micro-batch's backward follows its last chunk's forward). `first`: count that one too (the bytes at their
+    peak, as tests/distributed/test_pipeline.py measures them). On each rank's vocabulary shard under
+    `loss_parallel`."""
     out = [0.0] * pipe.degree
-    inflight = ctx.num_microbatches if pipe.layered or (pipe.degree > 1 and pipe.schedule == "gpipe") else 1
-    count = inflight if first else inflight - 1
+    count = _loss_inflight(ctx, pipe) - (0 if first else 1)
     if not count:
         return out
+    for name, meta, shards in _loss_outputs(graph, outputs, ctx, assign):
+        numel = meta.numel * ctx.micro_batch
+        rows = numel / max(1, meta.shape[-1])
+        out[stage[name]] += count * loss_saved_bytes(numel / shards, rows, fused=ctx.fused_loss)
+    return out
+
+
+def _loss_inflight(ctx: PlanContext, pipe: PipelineSpec) -> int:
+    """Micro-batches whose last chunk (and loss) has run forward and not yet backward at the peak: all m under
+    GPipe across stages and under layered accumulation (every forward first), else 1."""
+    return ctx.num_microbatches if pipe.layered or (pipe.degree > 1 and pipe.schedule == "gpipe") else 1
+
+
+def _loss_outputs(graph: OpGraph, outputs, ctx: PlanContext, assign: dict[str, OpStrategy] | None):
+    """(name, meta, vocabulary shards) of each model output the loss is computed on (`has_loss`)."""
     for name in outputs:
         meta = graph.op(name).output_meta
-        if _has_loss(meta):
-            shards = vocab_shards(assign[name].output, ctx) if assign is not None else 1
-            numel = meta.numel * ctx.micro_batch
-            rows = numel / max(1, meta.shape[-1])
-            out[stage[name]] += count * loss_saved_bytes(numel / shards, rows, fused=ctx.fused_loss)
-    return out
+        if has_loss(meta):
+            yield name, meta, vocab_shards(assign[name].output, ctx) if assign is not None else 1
 
 
 def stage_units(graph: OpGraph, pipe: PipelineSpec, stage: dict[str, int]) -> list[int]:

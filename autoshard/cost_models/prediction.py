@@ -111,14 +111,18 @@ def predicted_cached_output_bytes(plan: Plan, graph: OpGraph, cluster, *, stage:
     return held * inflight_microbatches(stage, pipe, plan.num_microbatches)
 
 
+def _output_args(plan: Plan, graph: OpGraph, cluster) -> tuple:
+    """(graph, its outputs, stage of each op, context, pipeline, assignment): what the per-output pricing reads."""
+    graph = priced_graph(plan, graph)
+    tg, stages = template_for(graph, plan.pipeline)
+    assign = {p.op: p.strategy for p in plan.ops}
+    return graph, tg.outputs, stages, context_for(plan, cluster, graph), plan.pipeline, assign
+
+
 def predicted_cached_logits_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
     """Bytes of the model's outputs one rank of pipeline stage `stage` keeps for backward at its peak
     (`evaluate.cached_logits_bytes`)."""
-    graph = priced_graph(plan, graph)
-    tg, stages = template_for(graph, plan.pipeline)
-    ctx = context_for(plan, cluster, graph)
-    assign = {p.op: p.strategy for p in plan.ops}
-    return cached_logits_bytes(graph, tg.outputs, stages, ctx, plan.pipeline, assign)[stage]
+    return cached_logits_bytes(*_output_args(plan, graph, cluster))[stage]
 
 
 def predicted_recv_buffer_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
@@ -133,11 +137,7 @@ def predicted_recv_buffer_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: i
 def predicted_held_loss_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:
     """Bytes of the loss's saved tensors one rank of pipeline stage `stage` keeps at their peak, every micro-batch
     whose loss ran forward and not yet backward (`evaluate.held_loss_bytes` with the first one)."""
-    graph = priced_graph(plan, graph)
-    tg, stages = template_for(graph, plan.pipeline)
-    ctx = context_for(plan, cluster, graph)
-    assign = {p.op: p.strategy for p in plan.ops}
-    return held_loss_bytes(graph, tg.outputs, stages, ctx, plan.pipeline, assign, first=True)[stage]
+    return held_loss_bytes(*_output_args(plan, graph, cluster), first=True)[stage]
 
 
 def predicted_p2p_bytes(plan: Plan, graph: OpGraph, cluster, *, stage: int = 0) -> float:

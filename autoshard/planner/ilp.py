@@ -411,8 +411,8 @@ def fixed_stage_rows(graph: OpGraph, tg: TemplateGraph, stage: dict[str, int], c
     """Per pipeline stage: (seconds its time row pays whatever the strategies: p2p sends and the loss both
     ways; bytes the loss holds, with the chunk outputs and logits the schedule keeps: `cached_chunk_outputs_bytes`
     per micro-batch in flight, `cached_logits_bytes`, the loss's saved tensors of the other micro-batches in
-    flight, `held_loss_bytes`, and the receive buffers of every micro-batch, `recv_buffer_bytes`). The search's lower bounds (`candidate_bound.py`) use the
-    same rows."""
+    flight, `held_loss_bytes`, and the receive buffers of every micro-batch, `recv_buffer_bytes`). The search's
+    lower bounds (`candidate_bound.py`) use the same rows."""
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree)
     p2p = 2 * pipe.virtual_stages * ctx.p2p_s(p2p_bytes) if pipe.degree > 1 else 0.0
     cached = cached_chunk_outputs_bytes(graph, ctx, pipe)
