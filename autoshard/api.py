@@ -28,7 +28,7 @@ def _explicit_attn(model) -> bool:
 
 def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None = None, micro_batch: int = 1,
                     global_batch: int, seq: int | None = None, recompute: str = "none",
-                    sequence_parallel: bool = False, virtual_stages: int = 1, schedule: str | None = None,
+                    sequence_parallel: bool | None = None, virtual_stages: int = 1, schedule: str | None = None,
                     zero: int = 0, attention: str = "auto", fused_kernels: bool = False, fused_loss: bool = False,
                     loss_parallel: bool = False, zero_impl: str = "fsdp2",
                     tp_comm_overlap: str | bool = "", allocator: str = "expandable", precision: str | None = None,
@@ -53,7 +53,8 @@ def estimate_config(model, cluster, *, tp: int = 1, pp: int = 1, dp: int | None 
     DeepSpeed since late 2021) or "deepspeed-2021" (per submodule, waited for, ~24 GB/s per GPU: DeepSpeed's
     ZeRO-3 before PR #1188; `cost_models/zero_impl.py`).
     `tp_comm_overlap`: tensor-parallel collectives overlap compute: "backward" (Megatron-LM's asynchronous
-    tensor-parallel communication) or "all" / True (Megatron-Core --tp-comm-overlap).
+    tensor-parallel communication) or "all" / True (Megatron-Core --tp-comm-overlap, torchtitan's async TP), which
+    runs with sequence parallelism: `sequence_parallel` None (the default) turns it on there, off elsewhere.
     `allocator`: PyTorch's CUDA allocator mode, "expandable" (expandable_segments:True, as torchtitan and
     autoshard's runtime set it) or "caching" (the default; about 15% of per-step memory lost to fragmentation).
     `precision`: another engine's (`cost_models.memory.PRECISIONS`, e.g. "bf16-mixed-16bit-grads": DeepSpeed's

@@ -128,13 +128,17 @@ def _cmd_estimate(args) -> int:
         compile=args.compile, float8=args.float8 or "")
     args.progress.close()
     pred = plan.prediction
+    from autoshard.planner.estimate import sequence_parallel_default
+
+    sp = args.sequence_parallel if args.sequence_parallel is not None else \
+        sequence_parallel_default(plan.mesh.degree("tp"), args.tp_comm_overlap)
     data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
             "pipeline": {"degree": plan.pipeline.degree, "schedule": plan.pipeline.schedule,
                          "virtual_stages": plan.pipeline.virtual_stages,
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             "recompute": plan.recompute, "fused_kernels": args.fused_kernels, "fused_loss": args.fused_loss,
-            "loss_parallel": args.loss_parallel,
+            "sequence_parallel": bool(sp) and plan.mesh.degree("tp") > 1, "loss_parallel": args.loss_parallel,
             "zero_impl": args.zero_impl, "cp": args.cp, "cp_attention": args.cp_attention, "ep": args.ep,
             "tp_comm_overlap": args.tp_comm_overlap or "none", "compile": args.compile,
             "float8": args.float8 or "none",
@@ -144,6 +148,7 @@ def _cmd_estimate(args) -> int:
     head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch "
             f"{batch_label(plan.micro_batch, plan.num_microbatches)}, "
             f"recompute {recompute_label(plan.recompute, plan.attention)}, attention {data['attention']}"
+            + (", sequence parallel" if data["sequence_parallel"] else "")
             + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")
             + (f", context parallel {plan.mesh.degree('cp')} ({args.cp_attention} K/V)" if args.cp > 1 else "")
             + (f", expert parallel {plan.ep}" if plan.ep > 1 else "")]
@@ -522,7 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "eager attention the score tensors (Korthikanti et al.), with a fused attention kernel "
                         "torchtitan's op-level policy (attention and every other matmul kept), which is what "
                         "autoshard's runtime runs; Megatron's selective on a fused kernel costs about none")
-    e.add_argument("--sequence-parallel", action="store_true")
+    e.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="tokens sharded over the tensor-parallel ranks between the matmuls (Korthikanti et al. "
+                        "2022); on by default with --tp-comm-overlap all, which overlaps its collectives")
     e.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
     e.add_argument("--schedule", choices=("1f1b", "interleaved-1f1b", "gpipe", "looped-bfs"), default=None)
     e.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
@@ -555,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tp-comm-overlap", nargs="?", const="all", default="", choices=("backward", "all"),
                    help="tensor-parallel collectives overlap compute, as autoshard's runtime does not (plans never "
                         "assume it): 'all' (the default when given), each collective pipelined with the GEMM it feeds or "
-                        "is fed by, as Megatron-Core's --tp-comm-overlap and torchtitan's async TP; "
+                        "is fed by, as Megatron-Core's --tp-comm-overlap and torchtitan's async TP (both with "
+                        "sequence parallelism, which it turns on); "
                         "'backward': each linear's input-gradient collective runs beside its weight-gradient GEMM, "
                         "as Megatron-LM's asynchronous tensor-parallel communication (2022 on)")
     e.add_argument("--compile", action="store_true",

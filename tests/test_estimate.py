@@ -10,6 +10,7 @@ from autoshard.capture import capture_model
 from autoshard.cost_models.bounds import block_costs
 from autoshard.errors import ConfigurationError
 from autoshard.models import load_model
+from autoshard.planner.estimate import HandConfig
 from autoshard.planner.stages import stage_loads
 
 KEYS = {"iteration_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "memory_gib", "breakdown_s"}
@@ -129,17 +130,24 @@ def test_more_pipeline_chunks_than_layers_is_a_one_line_error():
 def test_backward_tp_overlap_hides_input_gradient_collectives_and_all_also_the_forward_ones():
     """`--tp-comm-overlap backward` (Megatron-LM's asynchronous tensor-parallel communication) hides what
     runs beside the weight-gradient GEMMs, never more than the backward collectives; `--tp-comm-overlap`
-    alone means "all" (Megatron-Core's); an unknown mode is a one-line exit-2 error."""
+    alone means "all" (Megatron-Core's, torchtitan's async TP), which runs with sequence parallelism and hides
+    part of its all-gathers and reduce-scatters; an unknown mode is a one-line exit-2 error."""
     model = "gpt:layers=4,hidden=2048,heads=16,seq=2048,vocab=1024"
     kw = dict(tp=8, micro_batch=2, global_batch=2)
-    times = {mode: estimate_config(model, "1x8xA100-80GB", tp_comm_overlap=mode, **kw)[0].prediction
-             for mode in ("", "backward", "all", True)}
-    comm = {m: p.time.exposed_comm_s for m, p in times.items()}
-    assert comm[""] > comm["backward"] > comm["all"]
-    assert comm[True] == comm["all"]
+
+    def predict(mode, **extra):
+        return estimate_config(model, "1x8xA100-80GB", tp_comm_overlap=mode, **kw, **extra)[0].prediction
+
+    plain, backward = predict(""), predict("backward")
+    sp, overlapped, flag = predict("", sequence_parallel=True), predict("all"), predict(True)
+    comm = {name: p.time.exposed_comm_s for name, p in
+            dict(plain=plain, backward=backward, sp=sp, all=overlapped, flag=flag).items()}
+    assert comm["plain"] > comm["backward"]
     # Megatron 1D without sequence parallelism: half of the all-reduces are in backward
-    assert comm[""] - comm["backward"] < comm[""] / 2
-    assert all(p.time.compute_s == pytest.approx(times[""].time.compute_s, rel=1e-12) for p in times.values())
+    assert comm["plain"] - comm["backward"] < comm["plain"] / 2
+    assert backward.time.compute_s == pytest.approx(plain.time.compute_s, rel=1e-12)
+    assert comm["sp"] > comm["all"] == comm["flag"]
+    assert overlapped.time.compute_s == pytest.approx(sp.time.compute_s, rel=1e-12)
     args = ("estimate", model, "--cluster", "1x8xA100-80GB", "--tp", "8", "--micro-batch", "2", "--global-batch",
             "2", "--json")
     flag, backward = run(*args, "--tp-comm-overlap"), run(*args, "--tp-comm-overlap", "backward")
@@ -147,8 +155,20 @@ def test_backward_tp_overlap_hides_input_gradient_collectives_and_all_also_the_f
     flag, backward = json.loads(flag.stdout), json.loads(backward.stdout)
     assert flag["iteration_time_s"] < backward["iteration_time_s"]
     assert (flag["tp_comm_overlap"], backward["tp_comm_overlap"]) == ("all", "backward")
+    assert (flag["sequence_parallel"], backward["sequence_parallel"]) == (True, False)
     bad = run(*args, "--tp-comm-overlap", "forward")
     assert bad.returncode == 2 and "--tp-comm-overlap" in bad.stderr
+
+
+def test_overlapping_every_tp_collective_without_sequence_parallelism_is_refused():
+    """Megatron-LM refuses --tp-comm-overlap without --sequence-parallel and torch's async TP fuses only
+    sequence parallelism's all-gathers and reduce-scatters with their GEMMs: asking for "all" with sequence
+    parallelism off is a typed error naming both options, not an all-reduce priced as hidden."""
+    with pytest.raises(ConfigurationError, match="sequence_parallel") as err:
+        HandConfig(tp=8, tp_comm_overlap="all", sequence_parallel=False)
+    assert set(err.value.params) == {"tp_comm_overlap", "sequence_parallel"}
+    assert HandConfig(tp=8, tp_comm_overlap="backward").sequence_parallel is False
+    assert HandConfig(tp=1, tp_comm_overlap="all").sequence_parallel is False  # nothing to shard over
 
 
 def test_fused_loss_fits_a_large_vocabulary_that_eager_cross_entropy_does_not():

@@ -34,7 +34,13 @@ from autoshard.plans.contract import (
 from autoshard.plans.layouts import MeshSpec
 from autoshard.plans.plan import SCHEDULES, OpPlan, PipelineSpec, Plan, even_stage_layers, graph_fields
 
-__all__ = ["HandConfig", "estimate", "check_batch", "check_context_parallel", "check_expert_parallel"]
+__all__ = ["HandConfig", "estimate", "sequence_parallel_default", "check_batch", "check_context_parallel", "check_expert_parallel"]
+
+
+def sequence_parallel_default(tp: int, tp_comm_overlap: str | bool) -> bool:
+    """Whether a configuration that does not say runs sequence parallelism: where its tensor-parallel collectives
+    are pipelined with their GEMMs (tp_comm_overlap "all", see `HandConfig`), the engines that do it need it."""
+    return tp > 1 and tp_comm_overlap in ("all", True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +57,9 @@ class HandConfig:
     micro_batch: int = 1
     global_batch: int = 1
     recompute: str = "none"
-    sequence_parallel: bool = False
+    # tokens sharded over tp between the matmuls (Korthikanti et al. 2022); None: on where the other options
+    # describe an engine that runs only with it (tp_comm_overlap "all"), else off
+    sequence_parallel: bool | None = None
     virtual_stages: int = 1
     schedule: str | None = None  # default: 1f1b, or interleaved-1f1b when virtual_stages > 1
     zero: int = 0
@@ -82,6 +90,18 @@ class HandConfig:
         if self.tp_comm_overlap not in TP_OVERLAP:
             raise ConfigurationError(f"tp_comm_overlap={self.tp_comm_overlap!r}: use 'backward' or 'all' (or leave "
                                      "it off)", params=("tp_comm_overlap",))
+        # "all" pipelines sequence parallelism's all-gathers and reduce-scatters with their GEMMs: Megatron-LM
+        # refuses --tp-comm-overlap without --sequence-parallel (megatron/training/arguments.py), and torch's
+        # micro-pipeline TP pass behind torchtitan's async TP fuses only all_gather->mm and mm->reduce_scatter
+        # (torch/_inductor/fx_passes/micro_pipeline_tp.py); an all-reduce beside a GEMM is no engine's
+        overlap_sp = sequence_parallel_default(self.tp, self.tp_comm_overlap)
+        if self.sequence_parallel is None:
+            object.__setattr__(self, "sequence_parallel", overlap_sp)
+        elif overlap_sp and not self.sequence_parallel:
+            raise ConfigurationError("tp_comm_overlap='all' overlaps sequence parallelism's all-gathers and "
+                                     "reduce-scatters with their GEMMs (Megatron-Core and torchtitan's async TP "
+                                     "run only with it): drop sequence_parallel=False, or use "
+                                     "tp_comm_overlap='backward'", params=("tp_comm_overlap", "sequence_parallel"))
         for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "global_batch", "virtual_stages"):
             require_positive(name, getattr(self, name))
         if self.virtual_stages > 1 and self.pp == 1:  # checked here: before the model is captured
