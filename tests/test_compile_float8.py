@@ -81,6 +81,42 @@ def test_tensorwise_float8_halves_the_zero3_weight_gathers_and_rowwise_does_not(
     assert gathers[""] - gathers["tensorwise"] == pytest.approx(2 * f8_numel * (2 - 1))
 
 
+def test_tensorwise_float8_holds_gathered_weights_in_one_byte_and_casts_each_shard_once_per_gather():
+    """FSDP2's float8 all-gather keeps the gathered weight as float8 between uses (ZeRO 0-2, and ZeRO-3 in a
+    pipeline stage): a byte per element instead of bf16's two, measured on gloo ranks
+    (tests/distributed/test_float8_runtime.py); rowwise gathers 16 bits. The weight is cast on its 1/dp shard
+    before each gather: once per step at ZeRO-2, so the per-micro-batch cast shrinks with more micro-batches,
+    twice per micro-batch (forward and backward gathers) at ZeRO-3."""
+    from autoshard.cost_models.opcost import _float8_gather_cast_s
+    from autoshard.cost_models.prediction import context_for
+
+    graph, cluster = load_graph(TINY_LLAMA), ClusterSpec.parse("1x8xH100-80GB")
+    f8_numel = sum(p.numel for op in graph.ops if float8_linear(op) for p in op.params if p.owner and len(p.shape) == 2)
+    for zero, pp in ((2, 1), (3, 2)):
+        kw = dict(dp=8 // pp, pp=pp, zero=zero, micro_batch=1, global_batch=8, compile=True)
+        mem = {r: estimate_config(TINY_LLAMA, cluster, float8=r, **kw)[0].prediction.memory.params_bytes
+               for r in ("", "tensorwise", "rowwise")}
+        assert mem["rowwise"] == mem[""]
+        saved = mem[""] - mem["tensorwise"]
+        if pp == 1:  # every block Linear's weight, two bytes to one
+            assert saved == pytest.approx(f8_numel * (2 - 1))
+        else:  # the stage's own layer, held whole
+            assert saved == pytest.approx(f8_numel / 2 * (2 - 1))
+    q = next(op for op in graph.ops if float8_linear(op))
+    casts = {}
+    for zero, m in ((2, 1), (2, 4), (3, 1)):
+        plan, _ = estimate_config(TINY_LLAMA, cluster, dp=8, zero=zero, micro_batch=1, global_batch=8 * m,
+                                  compile=True, float8="tensorwise")
+        st = next(p.strategy for p in plan.ops if p.op == q.name)
+        casts[zero, m] = _float8_gather_cast_s(q, st, context_for(plan, cluster, graph))
+    assert casts[2, 4][0] < casts[2, 1][0] and casts[2, 1][1] == casts[2, 4][1] == 0.0
+    assert casts[3, 1][0] == casts[3, 1][1] == pytest.approx(casts[2, 1][0])
+    rowwise, _ = estimate_config(TINY_LLAMA, cluster, dp=8, zero=3, micro_batch=1, global_batch=8, compile=True,
+                                 float8="rowwise")
+    st = next(p.strategy for p in rowwise.ops if p.op == q.name)
+    assert _float8_gather_cast_s(q, st, context_for(rowwise, cluster, graph)) == (0.0, 0.0)
+
+
 def test_eager_float8_casts_move_five_times_the_bytes_of_compiled_ones():
     for recipe in ("tensorwise", "rowwise"):
         assert cast_bytes_per_elem(recipe, "fwd", "x", compiled=False) == 25

@@ -16,7 +16,11 @@ row-local and fuses with the cast into one pass, but every tensor is used along 
 own scales, so the column-wise cast pays a separate amax pass. Only tensorwise has FSDP2's float8 all-gather
 (`enable_fsdp_float8_all_gather`: the weight's shard is cast before the gather, so the all-gather moves one
 byte per parameter, and `precompute_float8_dynamic_scale_for_fsdp` computes every weight's amax with one
-all-reduce per step).
+all-reduce per step). The gathered weight is a float8 tensor (torchao float8/fsdp_utils.py
+`fsdp_post_all_gather` returns a `Float8TrainingTensor` over the gathered bytes), so what a rank holds of it
+between uses (ZeRO 0-2, and ZeRO-3 in a pipeline stage) is one byte per element, not 16 bits: measured on
+gloo ranks, FSDP2 holds 4,096 bytes for a 4,096-element q_proj weight at ZeRO 0 and 2
+(tests/distributed/test_float8_runtime.py); and it is cast once per gather, on the shard, not in every GEMM.
 
 What the casts cost depends on whether they are compiled: torchtitan requires `--compile` with float8 because
 eager PyTorch runs each cast as abs, amax, scale arithmetic, multiply, clamp and convert, each a kernel with
@@ -36,11 +40,12 @@ from autoshard.capture.ir import Op, OpKind
 from autoshard.errors import ConfigurationError
 from autoshard.plans.contract import is_expert_weight
 
-__all__ = ["FLOAT8_RECIPES", "FLOAT8_ALIGN", "float8_linear", "cast_bytes_per_elem", "cast_kernels", "float8_all_gather",
-           "require_fp8_tensor_cores"]
+__all__ = ["FLOAT8_RECIPES", "FLOAT8_ALIGN", "FLOAT8_BYTES", "float8_linear", "cast_bytes_per_elem", "cast_kernels",
+           "eager_cast_kernels", "float8_all_gather", "require_fp8_tensor_cores"]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 FLOAT8_ALIGN = 16  # torch._scaled_mm needs both dims of each float8 operand divisible by 16
+FLOAT8_BYTES = 1  # e4m3 / e5m2
 
 # Bytes moved per element of each operand, forward (X, W) and backward (dY; X and W again), compiled:
 #   tensorwise  amax (read 2) + scale-and-cast (read 2, write 1) = 5 per cast; dY's transposed copy for dW
@@ -94,6 +99,11 @@ def cast_kernels(recipe: str, phase: str, *, compiled: bool) -> int:
     if not compiled:
         return casts * _EAGER_CAST_KERNELS
     return 2 * casts
+
+
+def eager_cast_kernels() -> int:
+    """Kernels one eager cast of one tensor launches (`_EAGER_CAST_KERNELS`)."""
+    return _EAGER_CAST_KERNELS
 
 
 def float8_all_gather(recipe: str) -> bool:

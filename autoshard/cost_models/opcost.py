@@ -38,7 +38,14 @@ from autoshard.cost_models.expert_parallel import (
     ep_load_imbalance,
     grouped_gemm_rows,
 )
-from autoshard.cost_models.float8 import cast_bytes_per_elem, cast_kernels, float8_all_gather, float8_linear
+from autoshard.cost_models.float8 import (
+    FLOAT8_BYTES,
+    cast_bytes_per_elem,
+    cast_kernels,
+    eager_cast_kernels,
+    float8_all_gather,
+    float8_linear,
+)
 from autoshard.cost_models.host import (
     BACKWARD_DISPATCHES,
     compiled_host_s,
@@ -265,13 +272,14 @@ def _float8_cast_s(op: Op, st: OpStrategy, ctx: PlanContext, *, x: float, w: flo
                    x_fwd: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of a float8 Linear's casts (cost_models/float8.py) of its local input `x`,
     weight `w` and output gradient `g` elements; a weight FSDP2 gathers in float8 is cast on its shard before
-    the gather, once per gather (forward; backward uses the gathered float8 weight's transpose). `x_fwd`: the
-    input elements cast in forward where not `x` (0 where the edge casts it: `float8_input_cast_on_edge`)."""
+    each gather instead (`_float8_gather_cast_s`; backward uses the gathered float8 weight's transpose).
+    `x_fwd`: the input elements cast in forward where not `x` (0 where the edge casts it:
+    `float8_input_cast_on_edge`)."""
     recipe, compiled = ctx.float8, ctx.compiled(op)
     x_fwd = x if x_fwd is None else x_fwd
     w_fwd, w_bwd = w, w
-    if float8_all_gather(recipe) and ctx.mesh.degree("dp") > 1 and st.zero >= 3:
-        w_fwd, w_bwd = w / ctx.mesh.degree("dp"), 0.0
+    if float8_all_gather(recipe):  # FSDP2 casts the weight's shard before each gather (`_float8_gather_cast_s`)
+        w_fwd, w_bwd = 0.0, 0.0
     fwd = x_fwd * cast_bytes_per_elem(recipe, "fwd", "x", compiled=compiled) + \
         w_fwd * cast_bytes_per_elem(recipe, "fwd", "w", compiled=compiled)
     bwd = g * cast_bytes_per_elem(recipe, "bwd", "g", compiled=compiled) + \
@@ -280,6 +288,29 @@ def _float8_cast_s(op: Op, st: OpStrategy, ctx: PlanContext, *, x: float, w: flo
     gpu = ctx.gpu
     return (memory_bound_time_s(fwd, gpu, kernels=cast_kernels(recipe, "fwd", compiled=compiled)),
             memory_bound_time_s(bwd, gpu, kernels=cast_kernels(recipe, "bwd", compiled=compiled)))
+
+
+def _float8_gather_cast_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of casting a float8 Linear's weight shard before FSDP2 gathers
+    it (tensorwise: torchao's `fsdp_pre_all_gather`, float8/fsdp_utils.py), an eager cast (FSDP2's hooks run
+    outside the compiled blocks) of the 1/dp shard, once per gather: ZeRO-3 gathers in every forward and again
+    in backward; a pipeline stage m + 1 times per step (`PlanContext.grads_reduced_per_step`); ZeRO 0-2 once per
+    step (the runtime's `set_microbatch` keeps the gathered weight until the last backward; the runtime wraps
+    every parameter in FSDP2, so a dp of 1 gathers too)."""
+    if not (ctx.float8 and float8_all_gather(ctx.float8) and float8_linear(op) and st.params):
+        return 0.0, 0.0
+    tp = _deg(st.params[0].storage, ctx, (OUT, IN))
+    weight = sum(_rank_numel(p, ctx) for p in op.params if p.owner and len(p.shape) >= 2) / max(1, tp)
+    shard, m = weight / _param_dp(op, ctx)[0], ctx.num_microbatches
+    if st.zero >= 3 and ctx.grads_reduced_per_step:
+        fwd, bwd = (m + 1) / m, 0.0
+    elif st.zero >= 3:
+        fwd, bwd = 1.0, 1.0
+    else:
+        fwd, bwd = 1.0 / m, 0.0
+    per_elem = cast_bytes_per_elem(ctx.float8, "fwd", "w", compiled=False)
+    cast = memory_bound_time_s(shard * per_elem, ctx.gpu, kernels=eager_cast_kernels())
+    return fwd * cast, bwd * cast
 
 
 def _float8_amax_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float, list]:
@@ -322,6 +353,10 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
         # reduction (PlanContext.grads_reduced_per_step): ZeRO-2 and -3 hold what ZeRO-1 does
         held = min(st.zero, 1) if ctx.grads_reduced_per_step else st.zero
         p, g, o = model_state_bytes(local, prec, zero=held, dp=dp)
+        # FSDP2's float8 all-gather gathers a float8 Linear's weight in one byte per element (float8.py)
+        f8_gather = bool(ctx.float8) and float8_all_gather(ctx.float8) and float8_linear(op) and len(meta.shape) >= 2
+        if f8_gather and held < 3:  # and keeps it so between uses: the working copy is float8 (float8.py)
+            p = local * FLOAT8_BYTES
         p_b, g_b, o_b = p_b + p, g_b + g, o_b + o
         gather_axes = tuple(a for a in mesh.tp_axes if pp.storage.get(a) != pp.compute.get(a))
         if gather_axes:  # 2D/3D weights: gathered per use, gradient reduce-scattered
@@ -341,10 +376,8 @@ def _param_costs(op: Op, st: OpStrategy, ctx: PlanContext, unit_numel: float | N
             tp_b += sum(ctx.redistribute_s("all_reduce", gb, (a,)) for a in partial_axes)
             comm += [("all_reduce", gb)] * len(partial_axes)
         unit = max(1.0, (unit_numel or op.param_numel) / max(1, op.param_numel))
-        # FSDP2's float8 all-gather moves a float8 Linear's weight in one byte per element (float8.py)
-        f8_gather = bool(ctx.float8) and float8_all_gather(ctx.float8) and float8_linear(op) and len(meta.shape) >= 2
         f, b, i, g, sync, tr, c, ic = _dp_param_comm(local, st, ctx, unit, outer=outer,
-                                                     param_bytes=1 if f8_gather else None)
+                                                     param_bytes=FLOAT8_BYTES if f8_gather else None)
         dp_f, dp_b, dp_i, dp_g, dp_s = dp_f + f, dp_b + b, dp_i + i, dp_g + g, dp_s + sync
         if held < st.zero and st.zero >= 3:  # in a pipeline FSDP2 gathers into the whole parameters the stage
             tr = 0.0  # holds already (`held`): its all-gather output is the unsharded parameters' storage
@@ -558,6 +591,8 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
             base = memo[key] = _recompute_free(op, st, ctx, unit_numel, memo, expert, region_inputs)
     fwd, bwd, tp_f, tp_b, (dp_f, dp_b, dp_i, dp_s, dp_g), states, transient, comm, iter_comm, kept, dropped = base
     bwd += _grad_accumulation_s(op, st, ctx)  # depends on the micro-batch count, which the memo's key leaves out
+    cast_f, cast_b = _float8_gather_cast_s(op, st, ctx)  # so do the float8 weight casts, once per gather
+    fwd, bwd = fwd + cast_f, bwd + cast_b
     recompute, peak = 0.0, 0.0
     lay = st.inputs[0] if st.inputs else st.output
     first_keeps = 0.0 if block_input is None else tensor_bytes(block_input, ctx.precision, samples=ctx.micro_batch) / max(

@@ -24,14 +24,18 @@ LOSS_RTOL = 0.02
 
 
 @functools.cache
-def _plan(recipe: str):
-    from dist_plans import make_plan
-
+def _graph():
     from autoshard.capture import capture
 
     x, _ = example_batch("llama", 2)
-    graph = capture(build("llama"), (x,))
-    plan = make_plan(graph, MeshSpec.of(dp=2), "replicate", global_batch=4, zero=3)
+    return capture(build("llama"), (x,))
+
+
+@functools.cache
+def _plan(recipe: str, zero: int = 3):
+    from dist_plans import make_plan
+
+    plan = make_plan(_graph(), MeshSpec.of(dp=2), "replicate", global_batch=4, zero=zero)
     return dataclasses.replace(plan, float8=recipe, compile=True)
 
 
@@ -74,3 +78,51 @@ def test_float8_zero3_plan_converts_the_block_linears_and_trains_within_the_stat
         assert set(r["float8"]) == block_linears  # every block Linear, not the head
         for got, want in zip(r["losses"], r["ref_losses"], strict=True):
             assert got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+def _gathered_float8_bytes(rank: int, world: int, plans) -> list[dict]:
+    """Per plan: the bytes FSDP2 holds, after a forward, for each float8 Linear's gathered weight."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from autoshard.runtime.apply import apply_plan
+    from autoshard.runtime.mesh import build_device_mesh
+
+    out = []
+    for plan in plans:
+        model = apply_plan(build("llama"), plan, mesh=build_device_mesh(plan.mesh))
+        x, y = example_batch("llama", 4)
+        lx, _ = model.shard_inputs((x, y))
+        model(lx)
+        held = {}
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for p in group.fsdp_params:
+                    if p.all_gather_outputs and p.all_gather_outputs[0].dtype == torch.float8_e4m3fn:
+                        held[p._param_fqn] = sum(t.untyped_storage().nbytes() for t in p.all_gather_outputs)
+        out.append(held)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_holds_a_float8_linears_gathered_weight_in_one_byte_per_element_as_priced():
+    """Tensorwise float8 gathers each block Linear's weight in float8 and FSDP2 keeps the gathered float8 tensor
+    between uses at ZeRO 0 and 2 (resharding it after the forward at ZeRO 3): the cost model's working copy
+    of those weights (`OpCost.param_bytes`, priced on H100s: the CPU has no float8 GEMMs to price, and a float8
+    copy is one byte per element at any training precision) is the bytes the ranks hold."""
+    from autoshard.cost_models.prediction import evaluate_plan
+    from autoshard.hardware_profiles.cluster import ClusterSpec
+
+    graph = _graph()
+    plans = [dataclasses.replace(_plan("tensorwise", zero=z), compile=False) for z in (0, 2, 3)]
+    results = run_world(_gathered_float8_bytes, 2, plans, timeout_s=240)
+    cluster = ClusterSpec.parse("1x2xH100-80GB")
+    linears = {p.op: p.module for p in plans[0].ops if p.kind == "linear" and p.layer is not None}
+    for r in results:
+        for plan, held in zip(plans[:2], r[:2], strict=True):
+            priced = evaluate_plan(plan, graph, cluster).op_costs
+            assert set(held) == {f"{m}.weight" for m in linears.values()}
+            for op, module in linears.items():
+                assert held[f"{module}.weight"] == priced[op].param_bytes
+        assert sum(r[2].values()) == 0  # ZeRO-3 resharded after the forward
