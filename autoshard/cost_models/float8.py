@@ -20,7 +20,11 @@ all-reduce per step). The gathered weight is a float8 tensor (torchao float8/fsd
 `fsdp_post_all_gather` returns a `Float8TrainingTensor` over the gathered bytes), so what a rank holds of it
 between uses (ZeRO 0-2, and ZeRO-3 in a pipeline stage) is one byte per element, not 16 bits: measured on
 gloo ranks, FSDP2 holds 4,096 bytes for a 4,096-element q_proj weight at ZeRO 0 and 2
-(tests/distributed/test_float8_runtime.py); and it is cast once per gather, on the shard, not in every GEMM.
+(tests/distributed/test_float8_runtime.py); and it is cast once per gather, on the shard, not in every GEMM,
+with a scale computed once per step for every weight (torchao's `precompute_float8_dynamic_scale_for_fsdp`:
+an inf-norm pass over the shards and one all-reduce, as torchtitan runs it after each optimizer step and the
+runtime's `train_step` at its start; without it every gather would add an amax pass and an all-reduce per
+weight: runtime/compile.py `float8_weight_scales`).
 
 What the casts cost depends on whether they are compiled: torchtitan requires `--compile` with float8 because
 eager PyTorch runs each cast as abs, amax, scale arithmetic, multiply, clamp and convert, each a kernel with
@@ -41,11 +45,12 @@ from autoshard.errors import ConfigurationError
 from autoshard.plans.contract import is_expert_weight
 
 __all__ = ["FLOAT8_RECIPES", "FLOAT8_ALIGN", "FLOAT8_BYTES", "float8_linear", "cast_bytes_per_elem", "cast_kernels",
-           "eager_cast_kernels", "float8_all_gather", "require_fp8_tensor_cores"]
+           "GATHER_CAST_KERNELS", "gather_cast_bytes_per_elem", "float8_all_gather", "require_fp8_tensor_cores"]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 FLOAT8_ALIGN = 16  # torch._scaled_mm needs both dims of each float8 operand divisible by 16
 FLOAT8_BYTES = 1  # e4m3 / e5m2
+GATHER_CAST_KERNELS = 3  # multiply, clamp, convert (`gather_cast_bytes_per_elem`)
 
 # Bytes moved per element of each operand, forward (X, W) and backward (dY; X and W again), compiled:
 #   tensorwise  amax (read 2) + scale-and-cast (read 2, write 1) = 5 per cast; dY's transposed copy for dW
@@ -101,9 +106,13 @@ def cast_kernels(recipe: str, phase: str, *, compiled: bool) -> int:
     return 2 * casts
 
 
-def eager_cast_kernels() -> int:
-    """Kernels one eager cast of one tensor launches (`_EAGER_CAST_KERNELS`)."""
-    return _EAGER_CAST_KERNELS
+def gather_cast_bytes_per_elem(source_bytes: int) -> int:
+    """Bytes moved casting one element of a weight's shard to float8 with its scale computed already, as FSDP2's
+    float8 all-gather does before each gather (torchao float8/fsdp_utils.py `fsdp_pre_all_gather` with a
+    precomputed scale, `hp_tensor_and_scale_to_float8`, eager: FSDP2's hooks run outside compiled blocks):
+    multiply by the scale (read the shard's `source_bytes`, write fp32), clamp (fp32 in and out), convert (fp32
+    in, one byte out), `GATHER_CAST_KERNELS` kernels."""
+    return source_bytes + 4 + 4 + 4 + 4 + FLOAT8_BYTES
 
 
 def float8_all_gather(recipe: str) -> bool:

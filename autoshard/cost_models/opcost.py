@@ -40,11 +40,12 @@ from autoshard.cost_models.expert_parallel import (
 )
 from autoshard.cost_models.float8 import (
     FLOAT8_BYTES,
+    GATHER_CAST_KERNELS,
     cast_bytes_per_elem,
     cast_kernels,
-    eager_cast_kernels,
     float8_all_gather,
     float8_linear,
+    gather_cast_bytes_per_elem,
 )
 from autoshard.cost_models.host import (
     BACKWARD_DISPATCHES,
@@ -292,9 +293,10 @@ def _float8_cast_s(op: Op, st: OpStrategy, ctx: PlanContext, *, x: float, w: flo
 
 def _float8_gather_cast_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of casting a float8 Linear's weight shard before FSDP2 gathers
-    it (tensorwise: torchao's `fsdp_pre_all_gather`, float8/fsdp_utils.py), an eager cast (FSDP2's hooks run
-    outside the compiled blocks) of the 1/dp shard, once per gather: ZeRO-3 gathers in every forward and again
-    in backward; a pipeline stage m + 1 times per step (`PlanContext.grads_reduced_per_step`); ZeRO 0-2 once per
+    it (tensorwise: `float8.gather_cast_bytes_per_elem`) and, once per step, of the inf-norm pass over the shard
+    that computes its scale (float8.py; its one all-reduce of a scalar per weight, tens of microseconds per
+    step, is left out). The 1/dp shard is cast once per gather: ZeRO-3 gathers in every forward and again in
+    backward; a pipeline stage m + 1 times per step (`PlanContext.grads_reduced_per_step`); ZeRO 0-2 once per
     step (the runtime's `set_microbatch` keeps the gathered weight until the last backward; the runtime wraps
     every parameter in FSDP2, so a dp of 1 gathers too)."""
     if not (ctx.float8 and float8_all_gather(ctx.float8) and float8_linear(op) and st.params):
@@ -308,9 +310,10 @@ def _float8_gather_cast_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[flo
         fwd, bwd = 1.0, 1.0
     else:
         fwd, bwd = 1.0 / m, 0.0
-    per_elem = cast_bytes_per_elem(ctx.float8, "fwd", "w", compiled=False)
-    cast = memory_bound_time_s(shard * per_elem, ctx.gpu, kernels=eager_cast_kernels())
-    return fwd * cast, bwd * cast
+    source = ctx.precision.master_bytes or ctx.precision.param_bytes  # the sharded parameter's dtype
+    cast = memory_bound_time_s(shard * gather_cast_bytes_per_elem(source), ctx.gpu, kernels=GATHER_CAST_KERNELS)
+    scale = memory_bound_time_s(shard * source, ctx.gpu) / m
+    return fwd * cast + scale, bwd * cast
 
 
 def _float8_amax_comm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float, list]:

@@ -17,13 +17,17 @@ Float8 (`Plan.float8`): torchao's `convert_to_float8_training` swaps the Linears
 `Float8Linear`s before anything else is applied (torchtitan's model converters run before `parallelize`); the
 head stays in 16 bits (torchtitan's `filter_fqns = ["output"]`), and so does any Linear whose dims are not
 multiples of 16. Tensorwise scaling gathers the weights in float8 under FSDP2
-(`enable_fsdp_float8_all_gather`). The cost model prices the same conversion (cost_models/float8.py
-`float8_linear`). torchao is an optional dependency (`pip install torchao`), needed only by float8 plans.
+(`enable_fsdp_float8_all_gather`), and `train_step` computes every such weight's scale once per step, with one
+all-reduce, before its first gather (`float8_weight_scales`: torchao's `precompute_float8_dynamic_scale_for_fsdp`,
+which torchtitan runs after each optimizer step), instead of an amax pass and an all-reduce per weight in every
+gather. The cost model prices the same conversion (cost_models/float8.py `float8_linear`). torchao is an optional
+dependency (`pip install torchao`), needed only by float8 plans.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -33,7 +37,7 @@ from autoshard.errors import ConfigurationError
 from autoshard.plans.plan import Plan
 from autoshard.runtime.recompute import block_paths
 
-__all__ = ["compile_blocks", "convert_float8", "check_float8_plan", "check_compile_plan"]
+__all__ = ["compile_blocks", "convert_float8", "check_float8_plan", "check_compile_plan", "float8_weight_scales"]
 
 log = logging.getLogger(__name__)
 
@@ -138,3 +142,36 @@ def convert_float8(model: nn.Module, plan: Plan) -> int:
     convert(model, config=config, module_filter_fn=in_blocks)
     log.info("float8 (%s): %d Linears", plan.float8, len(converted))
     return len(converted)
+
+
+@contextmanager
+def float8_weight_scales(model: nn.Module):
+    """Within the block, FSDP2 gathers each tensorwise float8 weight with a scale computed on entry for all of
+    them (torchao's `precompute_float8_dynamic_scale_for_fsdp`: one inf-norm pass over the shards, one
+    all-reduce) instead of an amax pass and an all-reduce of its own per gather; on exit the scales are dropped,
+    so a gather after the optimizer's next step computes its own again. A no-op for other models."""
+    weights = _float8_gathered_weights(model)
+    if not weights:
+        yield
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+    try:
+        yield
+    finally:
+        for w in weights:
+            w._precomputed_scale = None
+
+
+def _float8_gathered_weights(model: nn.Module) -> list:
+    """The local shards of the weights FSDP2 gathers in float8 (torchao's `WeightWithDynamicFloat8CastTensor`)."""
+    from torch.distributed.tensor import DTensor
+
+    found = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        local = weight._local_tensor if isinstance(weight, DTensor) else None
+        if local is not None and type(local).__name__ == "WeightWithDynamicFloat8CastTensor":
+            found.append(local)
+    return found

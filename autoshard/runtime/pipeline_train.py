@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.errors import ConfigurationError
 from autoshard.plans.plan import Plan
+from autoshard.runtime.compile import float8_weight_scales
 from autoshard.runtime.data_parallel import set_microbatch
 from autoshard.runtime.failure import distributed_phase
 from autoshard.runtime.pipeline_split import ChunkFamily, PipelineChunk, TiedCopy
@@ -202,7 +203,8 @@ def train_step(model: nn.Module, inputs, target: torch.Tensor) -> torch.Tensor:
     loss function takes as its second argument, sliced the same way."""
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     state = getattr(model, "_autoshard_pipeline", None)
-    with distributed_phase("train_step"):  # a failure on one rank names it on every rank
+    # a failure on one rank names it on every rank; float8 weights gathered with scales computed once per step
+    with distributed_phase("train_step"), float8_weight_scales(model):
         if state is None:
             return _spmd_step(model, inputs, target)
         return _pipeline_step(state, inputs, target)

@@ -126,3 +126,52 @@ def test_fsdp2_holds_a_float8_linears_gathered_weight_in_one_byte_per_element_as
             for op, module in linears.items():
                 assert held[f"{module}.weight"] == priced[op].param_bytes
         assert sum(r[2].values()) == 0  # ZeRO-3 resharded after the forward
+
+
+def _scales_once_per_step(rank: int, world: int, plan) -> dict:
+    """train_step's loss and the dynamic float8 casts its gathers ran, beside the same step run by hand."""
+    from torchao.float8 import fsdp_utils
+
+    from autoshard.runtime.apply import apply_plan
+    from autoshard.runtime.mesh import build_device_mesh
+    from autoshard.runtime.pipeline_train import attach_loss_fn
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    dynamic = []
+    original = fsdp_utils.hp_tensor_to_float8_dynamic
+
+    def counted(*args, **kwargs):
+        dynamic.append(1)
+        return original(*args, **kwargs)
+
+    fsdp_utils.hp_tensor_to_float8_dynamic = counted
+    models = [apply_plan(build("llama"), plan, mesh=build_device_mesh(plan.mesh)) for _ in range(2)]
+    x, y = example_batch("llama", 4)
+    lx, ly = models[0].shard_inputs((x, y))
+    by_hand = loss_fn(models[0](lx), ly)
+    by_hand.backward()
+    hand_casts = len(dynamic)
+    attach_loss_fn(models[1], loss_fn)
+    loss = models[1].train_step((lx,), ly)
+    scales = [m.weight._local_tensor._precomputed_scale for m in models[1].modules()
+              if type(getattr(getattr(m, "weight", None), "_local_tensor", None)).__name__
+              == "WeightWithDynamicFloat8CastTensor"]
+    mean = by_hand.detach().clone()
+    torch.distributed.all_reduce(mean)
+    return {"hand_casts": hand_casts, "step_casts": len(dynamic) - hand_casts, "weights": len(scales),
+            "left_scales": sum(s is not None for s in scales), "loss": loss.item(), "hand_loss": mean.item() / world}
+
+
+@pytest.mark.timeout(300)
+def test_train_step_gathers_float8_weights_with_scales_computed_once_per_step_and_the_same_loss():
+    """torchtitan precomputes every float8 weight's scale after the optimizer step (one all-reduce); without it
+    each FSDP2 gather casts with an amax of its own and an all-reduce per weight. train_step does the former:
+    none of its gathers casts dynamically, the loss is the hand-run step's, and no scale outlives the step."""
+    plan = dataclasses.replace(_plan("tensorwise", zero=3), compile=False)
+    for r in run_world(_scales_once_per_step, 2, plan, timeout_s=240):
+        assert r["weights"] > 0 and r["hand_casts"] >= r["weights"]
+        assert r["step_casts"] == 0
+        assert r["left_scales"] == 0
+        assert r["loss"] == pytest.approx(r["hand_loss"], rel=1e-6)
