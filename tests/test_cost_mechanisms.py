@@ -612,6 +612,41 @@ def test_overlapped_tensor_parallel_collectives_hide_only_behind_the_gemm_they_a
     assert 0 < hidden <= gemms * (2 if any(c.recompute_s for c in both.op_costs.values()) else 1)
 
 
+def test_async_tp_hides_a_shared_gather_beside_every_gemm_reading_it_but_not_their_summed_gradients_scatter():
+    """Inductor's micro-pipeline TP (torchtitan's async TP) pipelines one all-gather with every matmul reading
+    the gathered tensor (q, k and v), but fuses a reduce-scatter only with a matmul producing it, not with the
+    sum of q, k and v's data gradients: that reduce-scatter stays exposed. Megatron-Core, which runs q, k and v
+    as one GEMM, hides it beside that GEMM."""
+    from autoshard.cost_models.evaluate import _beside_gemms
+    from autoshard.cost_models.overlap import exposed_beside_s
+
+    graph = capture_model(load_model("llama:layers=2,hidden=4096,heads=32,kv_heads=8,ffn=8192,seq=4096,vocab=128"))
+    cluster = _kernels_only("1x8xA100-80GB")
+    _, ev = estimate(graph, cluster, HandConfig(tp=8, micro_batch=1, global_batch=1, sequence_parallel=True,
+                                                sequence_parallel_regather=False, tp_comm_overlap="all"))
+    costs = ev.op_costs
+    attn = "model.layers.0.self_attn"
+    q, k, v, norm = f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj", "model.layers.0.input_layernorm"
+    ctx = {engine: PlanContext(mesh=MeshSpec.of(tp=8), cluster=cluster, micro_batch=1, num_microbatches=1,
+                               tp_overlap="all", compile=engine == "torchtitan")
+           for engine in ("torchtitan", "megatron")}
+    gemms = costs[q].fwd_s + costs[k].fwd_s + costs[v].fwd_s
+    assert costs[k].fwd_s < gemms / 3 < costs[q].fwd_s  # grouped-query attention: k and v are the small GEMMs
+    # forward: a gather as long as the three GEMMs together hides beside them as beside one GEMM that long (each
+    # edge its third); beside each reader's GEMM alone, k's and v's thirds would outlast theirs
+    gather = gemms
+    grouped = sum(_beside_gemms(gather / 3, 0.0, r, norm, costs, graph, ctx["torchtitan"], readers=[q, k, v],
+                                share=1 / 3) for r in (q, k, v))
+    alone = sum(_beside_gemms(gather / 3, 0.0, r, norm, costs, graph, ctx["torchtitan"]) for r in (q, k, v))
+    slow = cluster.gpu.overlap_slowdown
+    assert alone < grouped == pytest.approx(gather - exposed_beside_s(gemms, gather, slowdown=slow))
+    # backward: the summed gradient's reduce-scatter
+    bwd = costs[q].bwd_s / 2
+    assert _beside_gemms(0.0, bwd, q, norm, costs, graph, ctx["torchtitan"], readers=[q, k, v], share=1 / 3) == 0.0
+    assert _beside_gemms(0.0, bwd, q, norm, costs, graph, ctx["megatron"], readers=[q, k, v], share=1 / 3) > 0.0
+    assert _beside_gemms(0.0, bwd, q, norm, costs, graph, ctx["torchtitan"]) > 0.0  # one reader: fused
+
+
 # -- pipeline boundaries ---------------------------------------------------------------------------------------
 def _cuts(graph, cluster, **cfg):
     from autoshard.cost_models.evaluate import cut_sends

@@ -350,12 +350,15 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.saved += n * c.saved_bytes
             st.transient = max(st.transient, c.transient_bytes)
             st.recompute_peak += c.recompute_peak_bytes  # once: one block is recomputed at a time
+    readers = gemm_readers(tg)
     for e in tg.edges:
         c = edges[(e.src, e.dst, e.index)]
         t = edge_step_s(c, e.in_block, ctx)
         hidden = _beside_wgrad(c.bwd_s, e.dst, op_costs, graph, ctx)
         replays = 2 if ctx.recompute == "full" and e.in_block else 1  # the recomputed forward's again, beside its GEMM
-        hidden += _beside_gemms(c.fwd_s, c.bwd_s, e.dst, e.src, op_costs, graph, ctx, replays=replays)
+        shared = e.fanout > 1 and not (assign[e.dst].save_sharded_input and e.index == 0)  # one gather, q k v
+        hidden += _beside_gemms(c.fwd_s, c.bwd_s, e.dst, e.src, op_costs, graph, ctx, replays=replays,
+                                readers=readers.get(e.src) if shared else None, share=e.shares["share"])
         for k, n in enumerate(e.per_stage):
             stages[k].tp += n * t
             stages[k].tp_hidden += n * hidden
@@ -418,8 +421,19 @@ def _gemm_op(name: str | None, graph: OpGraph) -> bool:
     return op is not None and op.kind in (OpKind.LINEAR, OpKind.MATMUL) and bool(op.params)
 
 
+def gemm_readers(tg) -> dict[str, list[str]]:
+    """Template op -> the ops reading its output as their first input: the consumers one redistribution of that
+    output feeds (q, k and v reading one norm output; gate and up)."""
+    readers: dict[str, list[str]] = {}
+    for e in tg.edges:
+        if e.index == 0:
+            readers.setdefault(e.src, []).append(e.dst)
+    return readers
+
+
 def _beside_gemms(fwd_comm_s: float, bwd_comm_s: float, consumer: str, producer: str | None, op_costs,
-                  graph: OpGraph, ctx: PlanContext, *, replays: int = 1) -> float:
+                  graph: OpGraph, ctx: PlanContext, *, replays: int = 1, readers: list[str] | None = None,
+                  share: float = 1.0) -> float:
     """Of a tensor-parallel collective's forward and backward seconds, those hidden under tp_overlap "all": the
     collective is cut into chunks pipelined with the GEMM it feeds or is fed by (a column-parallel Linear's input
     all-gather with its GEMM, a row-parallel Linear's output reduce-scatter with its; in backward the gradient's
@@ -430,15 +444,30 @@ def _beside_gemms(fwd_comm_s: float, bwd_comm_s: float, consumer: str, producer:
     (a norm's statistics) hides nothing. The PyTorch team reports ~20% forward and ~8% end-to-end gains for
     Llama 3 70B from async TP ("Introducing Async Tensor Parallelism in PyTorch", discuss.pytorch.org, 2024):
     an overlap bounded by the GEMMs beside the collectives, not the whole step's compute. `replays`: forwards
-    run per micro-batch (2 where full recompute runs the collective and its GEMM again)."""
+    run per micro-batch (2 where full recompute runs the collective and its GEMM again).
+
+    A gathered input several GEMMs read (`readers`, the consumers of the producer's output; this edge's `share`
+    of the one redistribution): the all-gather is pipelined with all of them (Inductor's
+    `fuse_all_gather_matmul` takes every matmul consuming the gathered tensor; Megatron-Core fuses q, k and v,
+    and gate and up, into one GEMM), so it hides beside their sum. Their summed input gradient's reduce-scatter
+    hides only where one GEMM produces it: Megatron-Core's fused GEMM; Inductor fuses a reduce-scatter with
+    its producer only when that is a matmul (micro_pipeline_tp.py `_find_producer_matmul`), not the sum of
+    separate q, k and v (or gate and up) data gradients, as torchtitan's compiled Linears make it: exposed."""
     if ctx.tp_overlap != "all" or fwd_comm_s + bwd_comm_s <= 0:
         return 0.0
     name = consumer if _gemm_op(consumer, graph) else producer if _gemm_op(producer, graph) else None
     if name is None:
         return 0.0
-    c, slow = op_costs[name], ctx.gpu.overlap_slowdown
-    return (replays * (fwd_comm_s - exposed_beside_s(c.fwd_s, fwd_comm_s, slowdown=slow))
-            + bwd_comm_s - exposed_beside_s(c.bwd_s / 2, bwd_comm_s, slowdown=slow))
+    slow, gemms, part = ctx.gpu.overlap_slowdown, [name], 1.0
+    grouped = [r for r in readers or () if _gemm_op(r, graph)] if name == consumer else []
+    if len(grouped) > 1:
+        gemms, part = grouped, share
+    fwd_gemm = sum(op_costs[g].fwd_s for g in gemms)
+    bwd_gemm = sum(op_costs[g].bwd_s for g in gemms) / 2
+    fwd = fwd_comm_s - part * exposed_beside_s(fwd_gemm, fwd_comm_s / part, slowdown=slow)
+    if len(gemms) > 1 and not ctx.megatron_engine:
+        return replays * fwd  # the summed gradient's reduce-scatter has no one GEMM to pipeline with
+    return replays * fwd + bwd_comm_s - part * exposed_beside_s(bwd_gemm, bwd_comm_s / part, slowdown=slow)
 
 
 def _optim_bytes_per_param(ctx: PlanContext) -> float:
