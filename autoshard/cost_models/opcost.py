@@ -273,8 +273,8 @@ def _float8_cast_s(op: Op, st: OpStrategy, ctx: PlanContext, *, x: float, w: flo
                    x_fwd: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of a float8 Linear's casts (cost_models/float8.py) of its local input `x`,
     weight `w` and output gradient `g` elements; a weight FSDP2 gathers in float8 is cast on its shard before
-    each gather instead (`_float8_gather_cast_s`; backward uses the gathered float8 weight's transpose).
-    `x_fwd`: the input elements cast in forward where not `x` (0 where the edge casts it:
+    each gather instead (`_float8_gather_cast_s`; backward uses the gathered float8 weight, whose transposed
+    copy, two bytes per element, is left out). `x_fwd`: the input elements cast in forward where not `x` (0 where the edge casts it:
     `float8_input_cast_on_edge`)."""
     recipe, compiled = ctx.float8, ctx.compiled(op)
     x_fwd = x if x_fwd is None else x_fwd
@@ -294,8 +294,8 @@ def _float8_cast_s(op: Op, st: OpStrategy, ctx: PlanContext, *, x: float, w: flo
 def _float8_gather_cast_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of casting a float8 Linear's weight shard before FSDP2 gathers
     it (tensorwise: `float8.gather_cast_bytes_per_elem`) and, once per step, of the inf-norm pass over the shard
-    that computes its scale (float8.py; its one all-reduce of a scalar per weight, tens of microseconds per
-    step, is left out). The 1/dp shard is cast once per gather: ZeRO-3 gathers in every forward and again in
+    that computes its scale (float8.py; the step's one all-reduce of those scales, a scalar per weight, is left
+    out: tens of microseconds). The 1/dp shard is cast once per gather: ZeRO-3 gathers in every forward and again in
     backward; a pipeline stage m + 1 times per step (`PlanContext.grads_reduced_per_step`); ZeRO 0-2 once per
     step (the runtime's `set_microbatch` keeps the gathered weight until the last backward; the runtime wraps
     every parameter in FSDP2, so a dp of 1 gathers too)."""
