@@ -60,7 +60,9 @@ class _Held:
         self.t, self.live, self.peak = t, live, peak
         s = _local(t).untyped_storage()
         self.key = s.data_ptr()
-        count, nbytes = live.get(self.key, (0, s.nbytes()))
+        count, nbytes = live.get(self.key, (0, 0))
+        if count == 0:  # a storage freed earlier may have left its address to this one, of another size
+            nbytes = s.nbytes()
         live[self.key] = (count + 1, nbytes)
         peak[0] = max(peak[0], sum(n for c, n in live.values() if c > 0))
 
