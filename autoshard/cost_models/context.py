@@ -127,8 +127,10 @@ class PlanContext:
         `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` and reduces only in its
         REDUCE_GRAD action after the last micro-batch (torch/distributed/pipelining/stage.py
         `backward_maybe_with_nosync`, `perform_reduce_grad`); autoshard's runtime and torchtitan stage FSDP2
-        modules so. Measured on gloo ranks (pp 2 x dp 2, GPT-2, 2 and 4 micro-batches): one reduce-scatter
-        per step at ZeRO-2 and -3, and m + 1 ZeRO-3 all-gathers (tests/distributed/test_pipeline.py)."""
+        modules so. Neither reshards a stage's parameters after each forward (runtime/pipeline.py
+        `_gather_once_per_step`, torchtitan's `reshard_after_forward = not pp_enabled`): ZeRO-3 gathers them
+        once per step, as ZeRO-2. Measured on gloo ranks (pp 2 x dp 2, GPT-2 and Llama): one reduce-scatter
+        and one all-gather per step at ZeRO-2 and -3 (tests/distributed/test_pipeline.py)."""
         return self.mesh.degree("pp") > 1
 
     @property

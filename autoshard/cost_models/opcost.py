@@ -295,21 +295,16 @@ def _float8_gather_cast_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[flo
     """(forward, backward) seconds per micro-batch of casting a float8 Linear's weight shard before FSDP2 gathers
     it (tensorwise: `float8.gather_cast_bytes_per_elem`) and, once per step, of the inf-norm pass over the shard
     that computes its scale (float8.py; the step's one all-reduce of those scales, a scalar per weight, is left
-    out: tens of microseconds). The 1/dp shard is cast once per gather: ZeRO-3 gathers in every forward and again in
-    backward; a pipeline stage m + 1 times per step (`PlanContext.grads_reduced_per_step`); ZeRO 0-2 once per
-    step (the runtime's `set_microbatch` keeps the gathered weight until the last backward; the runtime wraps
-    every parameter in FSDP2, so a dp of 1 gathers too)."""
+    out: tens of microseconds). The 1/dp shard is cast once per gather: ZeRO-3 gathers in every forward and
+    again in backward; ZeRO 0-2 and a pipeline stage once per step (the runtime's `set_microbatch` and
+    `_gather_once_per_step` keep the gathered weight until the last backward; the runtime wraps every parameter
+    in FSDP2, so a dp of 1 gathers too)."""
     if not (ctx.float8 and float8_all_gather(ctx.float8) and float8_linear(op) and st.params):
         return 0.0, 0.0
     tp = _deg(st.params[0].storage, ctx, (OUT, IN))
     weight = sum(_rank_numel(p, ctx) for p in op.params if p.owner and len(p.shape) >= 2) / max(1, tp)
     shard, m = weight / _param_dp(op, ctx)[0], ctx.num_microbatches
-    if st.zero >= 3 and ctx.grads_reduced_per_step:
-        fwd, bwd = (m + 1) / m, 0.0
-    elif st.zero >= 3:
-        fwd, bwd = 1.0, 1.0
-    else:
-        fwd, bwd = 1.0 / m, 0.0
+    fwd, bwd = (1.0, 1.0) if st.zero >= 3 and not ctx.grads_reduced_per_step else (1.0 / m, 0.0)
     source = ctx.precision.master_bytes or ctx.precision.param_bytes  # the sharded parameter's dtype
     cast = memory_bound_time_s(shard * gather_cast_bytes_per_elem(source), ctx.gpu, kernels=GATHER_CAST_KERNELS)
     scale = memory_bound_time_s(shard * source, ctx.gpu) / m
@@ -429,10 +424,10 @@ def _dp_param_comm(local: float, st: OpStrategy, ctx: PlanContext, unit: float =
         return 0.0, coll("reduce_scatter", gb), 0.0, coll("all_gather", pb), 0.0, 0.0, \
             [("reduce_scatter", gb)], [("all_gather", pb)]
     if ctx.grads_reduced_per_step and gathers_overlap(ctx.zero_impl):
-        # a pipeline stage: gathered for every forward, once for the backward (kept until the step's end),
-        # the accumulated gradients reduce-scattered once
-        ag = coll("all_gather", pb)
-        return ag, 0.0, coll("reduce_scatter", gb), ag, 0.0, pb / s, [("all_gather", pb)], \
+        # a pipeline stage: gathered in the first forward and kept to the step's end (runtime/pipeline.py
+        # `_gather_once_per_step`, torchtitan's `reshard_after_forward = not pp_enabled`), the accumulated
+        # gradients reduce-scattered once: as ZeRO-2
+        return 0.0, 0.0, coll("reduce_scatter", gb), coll("all_gather", pb), 0.0, 0.0, [], \
             [("reduce_scatter", gb), ("all_gather", pb)]
     rs, comm = coll("reduce_scatter", gb), [("all_gather", 2 * pb), ("reduce_scatter", gb)]
     if not gathers_overlap(ctx.zero_impl):  # gathered per op, forward and backward, and waited for
@@ -495,7 +490,8 @@ def _fsdp_copy_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float
     local = _owned_local_numel(op, st, ctx)
     gathered = 2 * local * ctx.precision.param_bytes  # read the flat output, write the parameters
     reduced = local * (ctx.precision.grad_bytes + ctx.precision.reduce_bytes)  # cast to the reduce dtype
-    fwd = memory_bound_time_s(gathered, ctx.gpu) if st.zero == 3 else 0.0
+    per_microbatch = st.zero == 3 and not ctx.grads_reduced_per_step  # a pipeline stage gathers once per step
+    fwd = memory_bound_time_s(gathered, ctx.gpu) if per_microbatch else 0.0
     return fwd, fwd + memory_bound_time_s(reduced, ctx.gpu)
 
 

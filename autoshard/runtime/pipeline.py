@@ -155,9 +155,13 @@ def apply_plan_to_stage(stage: nn.Module, specs: dict[str, ModuleSpec], mesh: De
 
 
 def _gather_once_per_step(chunk: nn.Module) -> None:
-    """Layered accumulation gathers a chunk's sharded parameters once per step, not per micro-batch
-    (Lamy-Poirier 2021 §3): the looped-BFS schedule unshards the whole chunk before its first micro-batch and
-    reshards it after its last; ZeRO-3's resharding after every forward call would undo that."""
+    """A pipeline stage gathers a chunk's sharded parameters once per step, not per micro-batch: torch's
+    pipelining keeps them gathered after each backward until the step's REDUCE_GRAD
+    (`set_reshard_after_backward(False)`, torch/distributed/pipelining/stage.py), so ZeRO-3's resharding after
+    every forward only gathers them again for the next backward, m + 1 gathers per step for the same peak.
+    torchtitan turns it off under pipelining ("For PP, do not reshard after forward to avoid per-microbatch
+    all-gathers", `reshard_after_forward = not pp_enabled`); layered accumulation gathers once per step by
+    design (Lamy-Poirier 2021 §3)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
     for module in chunk.modules():
@@ -401,8 +405,7 @@ def apply_pipeline_plan(model: nn.Module, plan: Plan, *, graph: OpGraph | None =
             if unit_dp:
                 apply_plain_data_parallel(chunk, _chunk_specs(specs, chunk), full["dp"], precision=precision,
                                           whole_blocks=plan.compile)
-        if name == "looped-bfs":
-            _gather_once_per_step(chunk)
+        _gather_once_per_step(chunk)
     stages = _stages(local, io, full, device_type)  # 4
     state = PipelineState(plan=plan, mesh=full, family=chunks[0].family, chunks=local, stages=stages,
                           schedule_name=name, loss_fn=loss_fn, example_shape=tuple(example.shape[1:]),

@@ -239,8 +239,9 @@ def test_layered_accumulation_gathers_zero3_parameters_once_per_step():
 @pytest.mark.parametrize("zero", sorted(PIPELINED_ZERO_CASES))
 def test_a_pipeline_stage_reduces_zero_gradients_once_per_step_as_priced(zero):
     """Every rank's all-gather and reduce-scatter bytes in one step equal `predicted_step_comm` for its stage:
-    one reduce-scatter per step (not one per micro-batch), ZeRO-3's gathers once per forward and once for
-    the backward, GPT-2's last stage its copy of the tied embedding too."""
+    one reduce-scatter per step (not one per micro-batch), ZeRO-3's parameters gathered once per step as
+    ZeRO-2's (not again for every forward: runtime/pipeline.py `_gather_once_per_step`), GPT-2's last stage
+    its copy of the tied embedding too."""
     from autoshard.cost_models.prediction import predicted_step_comm
     from autoshard.hardware_profiles import ClusterSpec
 
