@@ -130,15 +130,15 @@ def _cmd_estimate(args) -> int:
     pred = plan.prediction
     from autoshard.planner.estimate import sequence_parallel_default
 
-    sp = args.sequence_parallel if args.sequence_parallel is not None else \
-        sequence_parallel_default(plan.mesh.degree("tp"), args.tp_comm_overlap)
+    tp = plan.mesh.degree("tp")
+    sp = tp > 1 and bool(args.sequence_parallel or sequence_parallel_default(tp, args.tp_comm_overlap))
     data = {"model": plan.model, "cluster": plan.cluster, "mesh": plan.mesh.to_json(),
             "pipeline": {"degree": plan.pipeline.degree, "schedule": plan.pipeline.schedule,
                          "virtual_stages": plan.pipeline.virtual_stages,
                          "layers_per_chunk": [b - a for a, b in plan.pipeline.stage_layers]},
             "num_microbatches": plan.num_microbatches, "attention": _attention_kernel(plan),
             "recompute": plan.recompute, "fused_kernels": args.fused_kernels, "fused_loss": args.fused_loss,
-            "sequence_parallel": bool(sp) and plan.mesh.degree("tp") > 1, "loss_parallel": args.loss_parallel,
+            "sequence_parallel": sp, "loss_parallel": args.loss_parallel,
             "zero_impl": args.zero_impl, "cp": args.cp, "cp_attention": args.cp_attention, "ep": args.ep,
             "tp_comm_overlap": args.tp_comm_overlap or "none", "compile": args.compile,
             "float8": args.float8 or "none",

@@ -350,7 +350,7 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.saved += n * c.saved_bytes
             st.transient = max(st.transient, c.transient_bytes)
             st.recompute_peak += c.recompute_peak_bytes  # once: one block is recomputed at a time
-    readers = gemm_readers(tg)
+    readers = input_readers(tg)
     for e in tg.edges:
         c = edges[(e.src, e.dst, e.index)]
         t = edge_step_s(c, e.in_block, ctx)
@@ -421,7 +421,7 @@ def _gemm_op(name: str | None, graph: OpGraph) -> bool:
     return op is not None and op.kind in (OpKind.LINEAR, OpKind.MATMUL) and bool(op.params)
 
 
-def gemm_readers(tg) -> dict[str, list[str]]:
+def input_readers(tg) -> dict[str, list[str]]:
     """Template op -> the ops reading its output as their first input: the consumers one redistribution of that
     output feeds (q, k and v reading one norm output; gate and up)."""
     readers: dict[str, list[str]] = {}
