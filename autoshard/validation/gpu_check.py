@@ -114,7 +114,8 @@ def _torchrun(args: list[str], timeout_s: float) -> tuple[dict | None, str, floa
     wall = time.perf_counter() - t0
     start = proc.stdout.find("{")  # rank 0's JSON document: all of its stdout (measure --json, reference --json)
     if proc.returncode != 0 or start < 0:
-        return None, (proc.stderr or proc.stdout)[-1500:], wall
+        text = proc.stderr or proc.stdout  # the child's own message first, torchrun's traceback after it
+        return None, text if len(text) <= 3000 else f"{text[:1500]}\n...\n{text[-1500:]}", wall
     return json.loads(proc.stdout[start:]), "", wall
 
 
