@@ -1,4 +1,4 @@
-"""Predicted against measured speedups of compiled blocks and float8 (autoshard/validation/lowering.py);
+"""Predicted against measured speedups of compiled blocks, float8 and async TP (autoshard/validation/lowering.py);
 writes benchmarks/lowering_validation.md and .json.
 
     python scripts/validate_lowering.py

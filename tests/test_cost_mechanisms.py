@@ -650,6 +650,66 @@ def test_async_tp_hides_a_shared_gather_beside_every_gemm_reading_it_but_not_the
     assert _beside_gemms(0.0, bwd, q, norm, costs, graph, ctx["torchtitan"]) > 0.0  # one reader: fused
 
 
+def test_inductors_fused_collective_matmuls_run_their_gemm_in_tp_row_chunks_at_the_measured_rate_by_shape():
+    """torch's fused_all_gather_matmul / fused_matmul_reduce_scatter call the matmul once per M/tp-row shard
+    (torch/distributed/_symmetric_memory): on the H100's measured GEMM grid a 1,024-row chunk runs slower per
+    FLOP than the 8,192-row GEMM, so 8 chunks outlast it; nothing extra without tensor parallelism."""
+    from autoshard.cost_models.async_tp import chunked_gemm_extra_s, partials_sum_s, staged_shard_s
+    from autoshard.cost_models.compute import memory_bound_time_s
+
+    h100 = load_gpu("H100-80GB")
+    whole, chunk = gemm_time_s(8192, 512, 4096, h100), gemm_time_s(1024, 512, 4096, h100)
+    assert 8 * chunk > whole
+    assert chunked_gemm_extra_s(8192, 512, 4096, 8, h100) == pytest.approx(8 * chunk - whole)
+    assert chunked_gemm_extra_s(8192, 512, 4096, 1, h100) == 0.0
+    # the reduce-scatter's own sum reads the tp partials (the whole output) and writes one 1/tp of it; the
+    # all-gather copies its shard into the symmetric buffer and waits on a barrier kernel
+    out = 8192 * 4096 * 2
+    assert partials_sum_s(out, 8, h100) == pytest.approx(memory_bound_time_s(out * 9 / 8, h100))
+    assert staged_shard_s(out / 8, h100) == pytest.approx(memory_bound_time_s(out / 4, h100, kernels=2))
+
+
+def test_async_tp_under_compile_adds_the_fused_ops_kernels_inside_compiled_blocks_and_megatron_adds_none():
+    """Per block, torchtitan's async TP (Inductor, compiled blocks) runs: for the q, k, v gather one staged shard
+    (each reader's edge its third) and each reader's GEMM in chunks; for o_proj's reduce-scatter o_proj's GEMM
+    in chunks and the partials' sum; backward the mirror image (but not the summed q, k, v gradient's
+    reduce-scatter, which NCCL runs). Megatron-Core's engine (no compile) is priced without them, and the output
+    Linear, outside the compiled blocks, gathers by NCCL with nothing hidden."""
+    import dataclasses
+
+    from autoshard.cost_models.async_tp import partials_sum_s, staged_shard_s
+    from autoshard.cost_models.evaluate import _beside_gemms, _fused_tp_kernels_s, input_readers
+    from autoshard.cost_models.prediction import context_for
+    from autoshard.cost_models.template import template_for
+
+    graph = capture_model(load_model("llama:layers=2,hidden=1024,heads=16,kv_heads=8,ffn=2048,seq=2048,vocab=512"))
+    cluster = _kernels_only("1x8xH100-80GB")
+    cfg = dict(tp=8, micro_batch=1, global_batch=1, tp_comm_overlap="all", loss_parallel=True)
+    plan, ev = estimate(graph, cluster, HandConfig(**cfg, compile=True))
+    ctx = dataclasses.replace(context_for(plan, cluster, graph), tp_overlap="all")  # estimate's own context
+    megatron = dataclasses.replace(ctx, compile=False)
+    assign = {p.op: p.strategy for p in plan.ops}
+    tg, _ = template_for(graph, plan.pipeline)
+    readers = input_readers(tg)
+    edges = {(e.src, e.dst): e for e in tg.edges}
+    attn, gpu = "model.layers.0.self_attn", cluster.gpu
+    qkv = [(("model.layers.0.input_layernorm", f"{attn}.{x}_proj")) for x in "qkv"]
+    m, h = 2048, 1024
+    fused = {k: _fused_tp_kernels_s(edges[k], ev.edge_costs[(*k, 0)], graph, assign, ctx, readers=readers[k[0]],
+                                    share=edges[k].shares["share"]) for k in qkv}
+    staged = staged_shard_s(m // 8 * h * 2, gpu)
+    assert sum(f for f, _ in fused.values()) >= staged
+    assert all(b == 0.0 for _, b in fused.values())  # their summed gradient: NCCL's reduce-scatter
+    o = (f"{attn}.o_proj", "model.layers.0.add")
+    fwd, bwd = _fused_tp_kernels_s(edges[o], ev.edge_costs[(*o, 1)], graph, assign, ctx)
+    assert fwd >= partials_sum_s(m * h * 2, 8, gpu) and bwd >= staged_shard_s(m // 8 * h * 2, gpu)
+    assert _fused_tp_kernels_s(edges[o], ev.edge_costs[(*o, 1)], graph, assign, megatron) == (0.0, 0.0)
+    head = ("model.norm", "lm_head")
+    c = ev.edge_costs[(*head, 0)]
+    assert c.fwd_s > 0 and _beside_gemms(c.fwd_s, c.bwd_s, "lm_head", "model.norm", ev.op_costs, graph, ctx) == 0.0
+    assert _beside_gemms(c.fwd_s, c.bwd_s, "lm_head", "model.norm", ev.op_costs, graph, megatron) > 0.0
+
+
 # -- pipeline boundaries ---------------------------------------------------------------------------------------
 def _cuts(graph, cluster, **cfg):
     from autoshard.cost_models.evaluate import cut_sends

@@ -29,7 +29,9 @@ Tensor-parallel collectives are on the critical path (the runtime's). `PlanConte
 engines (`estimate` only: the runtime cannot): "backward", Megatron-LM's asynchronous tensor-parallel
 communication, where the collective of a linear's input gradient runs beside that linear's weight-gradient
 GEMM (`_beside_wgrad`); "all", Megatron-Core's --tp-comm-overlap and torchtitan's async TP, where each
-collective is pipelined with the GEMM it feeds or is fed by (`_beside_gemms`).
+collective is pipelined with the GEMM it feeds or is fed by (`_beside_gemms`); under `compile` (Inductor's
+fused ops, inside compiled blocks only) with the chunked GEMMs, staged shards and partial sums those ops run
+(`_fused_tp_kernels_s`, cost_models/async_tp.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass, replace
 
 from autoshard.capture.cache import graph_cache
 from autoshard.capture.ir import OpGraph, OpKind, TensorMeta
+from autoshard.cost_models.async_tp import chunked_gemm_extra_s, partials_sum_s, staged_shard_s
 from autoshard.cost_models.compute import memory_bound_time_s
 from autoshard.cost_models.context import PlanContext
 from autoshard.cost_models.float8 import cast_bytes_per_elem, float8_linear
@@ -57,6 +60,7 @@ from autoshard.cost_models.opcost import (
     edge_cost,
     float8_input_cast_on_edge,
     grad_partial_axes,
+    linear_gemm,
     op_cost,
     score_shaped,
 )
@@ -357,13 +361,15 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
         hidden = _beside_wgrad(c.bwd_s, e.dst, op_costs, graph, ctx)
         replays = 2 if ctx.recompute == "full" and e.in_block else 1  # the recomputed forward's again, beside its GEMM
         shared = e.fanout > 1 and not (assign[e.dst].save_sharded_input and e.index == 0)  # one gather, q k v
+        group = readers.get(e.src) if shared else None
         hidden += _beside_gemms(c.fwd_s, c.bwd_s, e.dst, e.src, op_costs, graph, ctx, replays=replays,
-                                readers=readers.get(e.src) if shared else None, share=e.shares["share"])
+                                readers=group, share=e.shares["share"])
+        fused_fwd, fused_bwd = _fused_tp_kernels_s(e, c, graph, assign, ctx, readers=group, share=e.shares["share"])
         for k, n in enumerate(e.per_stage):
             stages[k].tp += n * t
             stages[k].tp_hidden += n * hidden
-            stages[k].fwd += n * c.fwd_compute_s
-            stages[k].bwd += n * c.fwd_compute_s * (replays - 1)  # recomputed in backward
+            stages[k].fwd += n * (c.fwd_compute_s + fused_fwd)
+            stages[k].bwd += n * ((c.fwd_compute_s + fused_fwd) * (replays - 1) + fused_bwd)  # recomputed in backward
     for name, c in outs.items():
         stages[stage[name]].tp += c.time_s
     loss_time, loss_bytes = loss_per_stage(graph, tg.outputs, stage, ctx, pipe.degree, assign)
@@ -456,8 +462,8 @@ def _beside_gemms(fwd_comm_s: float, bwd_comm_s: float, consumer: str, producer:
     if ctx.tp_overlap != "all" or fwd_comm_s + bwd_comm_s <= 0:
         return 0.0
     name = consumer if _gemm_op(consumer, graph) else producer if _gemm_op(producer, graph) else None
-    if name is None:
-        return 0.0
+    if name is None or (ctx.compile and not ctx.compiled(graph.op(name))):
+        return 0.0  # Inductor fuses only inside compiled blocks: torchtitan's output Linear gathers by NCCL
     slow, gemms, part = ctx.gpu.overlap_slowdown, [name], 1.0
     grouped = [r for r in readers or () if _gemm_op(r, graph)] if name == consumer else []
     if len(grouped) > 1:
@@ -468,6 +474,40 @@ def _beside_gemms(fwd_comm_s: float, bwd_comm_s: float, consumer: str, producer:
     if len(gemms) > 1 and not ctx.megatron_engine:
         return replays * fwd  # the summed gradient's reduce-scatter has no one GEMM to pipeline with
     return replays * fwd + bwd_comm_s - part * exposed_beside_s(bwd_gemm, bwd_comm_s / part, slowdown=slow)
+
+
+def _fused_tp_kernels_s(e, c, graph: OpGraph, assign: dict[str, OpStrategy], ctx: PlanContext, *,
+                        readers: list[str] | None = None, share: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) seconds of kernels Inductor's fused collective-matmul ops run beyond the GEMM and the
+    collective they replace (cost_models/async_tp.py), for edge `e` under torchtitan's async TP
+    (`--tp-comm-overlap all --compile`), inside compiled blocks. A forward all-gather into a Linear
+    (`fused_all_gather_matmul`): the Linear's GEMM in tp row chunks and the staged local shard (its `share` of
+    one gather several readers take); the reduce-scatter of its input gradient, fused only where one Linear reads
+    the gathered input (`_beside_gemms`): the data-gradient GEMM in chunks and the sum of the partials. A
+    forward reduce-scatter of a Linear's output (`fused_matmul_reduce_scatter`): the same on the other side."""
+    if ctx.tp_overlap != "all" or not ctx.compile or c.fwd_s + c.bwd_s <= 0:
+        return 0.0, 0.0
+    kinds = {kind for kind, _ in c.fwd_comm}
+    if _gemm_op(e.dst, graph) and ctx.compiled(graph.op(e.dst)) and kinds == {"all_gather"}:
+        name, gather_first = e.dst, True
+    elif _gemm_op(e.src, graph) and ctx.compiled(graph.op(e.src)) and kinds == {"reduce_scatter"}:
+        name, gather_first = e.src, False
+    else:
+        return 0.0, 0.0
+    dims = linear_gemm(graph.op(name), assign[name], ctx)
+    if dims is None:
+        return 0.0, 0.0
+    m, n, k, f8 = dims
+    tp, gpu, ab = ctx.mesh.degree("tp"), ctx.gpu, ctx.precision.act_bytes
+    fwd = chunked_gemm_extra_s(m, n, k, tp, gpu, float8=f8, bytes_per_elem=ab)
+    bwd = chunked_gemm_extra_s(m, k, n, tp, gpu, float8=f8, bytes_per_elem=ab)
+    if gather_first:
+        x_bytes = 1 if f8 and float8_input_cast_on_edge(ctx) else ab  # gathered in float8 where cast on the shard
+        fwd += share * staged_shard_s(m // tp * k * x_bytes, gpu)
+        if len([r for r in readers or () if _gemm_op(r, graph)]) > 1:
+            return fwd, 0.0  # the summed input gradient's reduce-scatter is NCCL's (`_beside_gemms`)
+        return fwd, bwd + partials_sum_s(m * k * ab, tp, gpu)
+    return fwd + partials_sum_s(m * n * ab, tp, gpu), bwd + staged_shard_s(m // tp * n * ab, gpu)
 
 
 def _optim_bytes_per_param(ctx: PlanContext) -> float:

@@ -60,7 +60,7 @@ from autoshard.plans.contract import ExpertRole, is_expert_weight
 from autoshard.plans.layouts import BATCH, FEAT, IN, OUT, PARTIAL, REPLICATE, SEQ, Layout
 from autoshard.plans.plan import OpStrategy
 
-__all__ = ["OpCost", "EdgeCost", "op_cost", "kernel_times_s", "repeats_forward", "edge_cost", "grad_partial_axes", "score_shaped"]
+__all__ = ["OpCost", "EdgeCost", "op_cost", "kernel_times_s", "linear_gemm", "repeats_forward", "edge_cost", "grad_partial_axes", "score_shaped"]
 
 _TOKEN = (BATCH, SEQ)
 # pointwise ATen ops that evaluate a transcendental function per element (GPUProfile.transcendental_gelem_per_s)
@@ -194,15 +194,30 @@ def _compute_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     return fwd, bwd
 
 
+def linear_gemm(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[int, int, int, bool] | None:
+    """(m, n, k, float8) of a Linear's forward GEMM on one rank under `st`: its input's rows (tokens of the
+    micro-batch this rank holds), output and input features; None for ops without one GEMM (not a Linear, or
+    grouped expert matmuls)."""
+    if op.kind not in (OpKind.LINEAR, OpKind.CONV) or op.gemm is None:
+        return None
+    if any(is_expert_weight(p) for p in op.params):
+        return None
+    return (*_gemm_dims(op, st, ctx), bool(ctx.float8) and float8_linear(op))
+
+
+def _gemm_dims(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[int, int, int]:
+    m, n, k = op.gemm
+    ins = st.inputs[0] if st.inputs else st.output
+    w = st.params[0].compute if st.params else Layout()
+    return (max(1, m * ctx.micro_batch // max(1, _deg(ins, ctx, _TOKEN))), max(1, n // _deg(w, ctx, (OUT,))),
+            max(1, k // _deg(w, ctx, (IN,))))
+
+
 def _kernels_s(op: Op, st: OpStrategy, ctx: PlanContext) -> tuple[float, float]:
     gpu, mb, prec = ctx.gpu, ctx.micro_batch, ctx.precision
     ins = st.inputs[0] if st.inputs else st.output
     if op.kind in (OpKind.LINEAR, OpKind.CONV) and op.gemm is not None:
-        m, n, k = op.gemm
-        w = st.params[0].compute if st.params else Layout()
-        m_local = max(1, m * mb // max(1, _deg(ins, ctx, _TOKEN)))
-        n_local = max(1, n // _deg(w, ctx, (OUT,)))
-        k_local = max(1, k // _deg(w, ctx, (IN,)))
+        m_local, n_local, k_local = _gemm_dims(op, st, ctx)
         ab = prec.act_bytes
         experts = next((p.shape[0] for p in op.params if is_expert_weight(p)), 0)
         if experts:  # grouped expert matmul: one GEMM per local expert (cost_models/expert_parallel.py)
