@@ -710,6 +710,32 @@ def test_async_tp_under_compile_adds_the_fused_ops_kernels_inside_compiled_block
     assert _beside_gemms(c.fwd_s, c.bwd_s, "lm_head", "model.norm", ev.op_costs, graph, megatron) > 0.0
 
 
+@pytest.mark.parametrize("overlap", ["backward", "all"])
+def test_a_float8_casts_amax_all_reduce_stays_exposed_under_every_tensor_parallel_overlap(overlap):
+    """A tensorwise float8 Linear under tensor parallelism all-reduces the amax of each sharded operand before
+    the cast its GEMMs wait for: no GEMM runs beside it (Megatron's asynchronous all-reduce and the fused
+    collective-matmuls of async TP take only the collectives into and out of the Linears). With the edges'
+    collectives left out, a stage's tensor-parallel time is the ops' own and none of it is hidden."""
+    import dataclasses
+
+    from autoshard.cost_models import evaluate as ev_mod
+    from autoshard.cost_models.prediction import context_for
+
+    graph = capture_model(load_model("llama:layers=2,hidden=4096,heads=32,kv_heads=8,ffn=8192,seq=4096,vocab=512"))
+    cluster = _kernels_only("1x8xH100-80GB")
+    plan, _ = estimate(graph, cluster, HandConfig(tp=8, micro_batch=1, global_batch=1, sequence_parallel=True,
+                                                  compile=True, float8="tensorwise", loss_parallel=True))
+    ctx = dataclasses.replace(context_for(plan, cluster, graph), tp_overlap=overlap)
+    assign = {p.op: p.strategy for p in plan.ops}
+    tg, stage = ev_mod.template_for(graph, plan.pipeline)
+    op_costs, edges, outs = ev_mod._template_costs(graph, assign, ctx, tg)
+    quiet = {k: dataclasses.replace(c, fwd_s=0.0, bwd_s=0.0, comm=(), fwd_comm=()) for k, c in edges.items()}
+    st = ev_mod._accumulate(graph, assign, ctx, plan.pipeline, tg, op_costs, quiet, {}, stage)[0]
+    own = sum(sum(tg.per_stage[o.name]) * (op_costs[o.name].tp_fwd_s + op_costs[o.name].tp_bwd_s) for o in tg.ops)
+    assert own > 0 and st.tp == pytest.approx(own)
+    assert st.tp_hidden == 0.0
+
+
 # -- pipeline boundaries ---------------------------------------------------------------------------------------
 def _cuts(graph, cluster, **cfg):
     from autoshard.cost_models.evaluate import cut_sends

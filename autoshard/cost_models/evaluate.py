@@ -340,8 +340,9 @@ def _accumulate(graph, assign, ctx, pipe, tg, op_costs, edges, outs, stage) -> l
             st.host_fwd += n * c.host_fwd_s
             st.host_bwd += n * c.host_bwd_s
             st.tp += n * (c.tp_fwd_s + c.tp_bwd_s)
-            st.tp_hidden += n * (_beside_wgrad(c.tp_bwd_s, op.name, op_costs, graph, ctx)
-                                 + _beside_gemms(c.tp_fwd_s, c.tp_bwd_s, op.name, None, op_costs, graph, ctx))
+            # an op's own collectives (a float8 cast's amax all-reduce, which its GEMMs wait for; a sequence-parallel
+            # norm's weight-gradient all-reduce) run beside no GEMM under any overlap: only the collectives on
+            # edges, into and out of the Linears, do (`_beside_wgrad`, `_beside_gemms`)
             st.dp_fwd += n * c.dp_fwd_s
             st.dp_bwd += n * c.dp_bwd_s
             st.dp_sync += n * c.dp_sync_s
