@@ -677,7 +677,7 @@ def test_async_tp_under_compile_adds_the_fused_ops_kernels_inside_compiled_block
     Linear, outside the compiled blocks, gathers by NCCL with nothing hidden."""
     import dataclasses
 
-    from autoshard.cost_models.async_tp import partials_sum_s, staged_shard_s
+    from autoshard.cost_models.async_tp import chunked_gemm_extra_s, partials_sum_s, staged_shard_s
     from autoshard.cost_models.evaluate import _beside_gemms, _fused_tp_kernels_s, input_readers
     from autoshard.cost_models.prediction import context_for
     from autoshard.cost_models.template import template_for
@@ -698,11 +698,16 @@ def test_async_tp_under_compile_adds_the_fused_ops_kernels_inside_compiled_block
     fused = {k: _fused_tp_kernels_s(edges[k], ev.edge_costs[(*k, 0)], graph, assign, ctx, readers=readers[k[0]],
                                     share=edges[k].shares["share"]) for k in qkv}
     staged = staged_shard_s(m // 8 * h * 2, gpu)
-    assert sum(f for f, _ in fused.values()) >= staged
+    kv = 8 * h // 16  # kv_heads x head dim
+    chunks = chunked_gemm_extra_s(m, h // 8, h, 8, gpu) + 2 * chunked_gemm_extra_s(m, kv // 8, h, 8, gpu)
+    assert sum(f for f, _ in fused.values()) == pytest.approx(staged + chunks)  # one staged shard for the three
     assert all(b == 0.0 for _, b in fused.values())  # their summed gradient: NCCL's reduce-scatter
     o = (f"{attn}.o_proj", "model.layers.0.add")
     fwd, bwd = _fused_tp_kernels_s(edges[o], ev.edge_costs[(*o, 1)], graph, assign, ctx)
-    assert fwd >= partials_sum_s(m * h * 2, 8, gpu) and bwd >= staged_shard_s(m // 8 * h * 2, gpu)
+    # o_proj: (m x h/8) @ (h/8 x h), its output reduce-scattered; backward gathers the output gradient into its
+    # data-gradient GEMM (m x h) @ (h x h/8)
+    assert fwd == pytest.approx(chunked_gemm_extra_s(m, h, h // 8, 8, gpu) + partials_sum_s(m * h * 2, 8, gpu))
+    assert bwd == pytest.approx(chunked_gemm_extra_s(m, h // 8, h, 8, gpu) + staged_shard_s(m // 8 * h * 2, gpu))
     assert _fused_tp_kernels_s(edges[o], ev.edge_costs[(*o, 1)], graph, assign, megatron) == (0.0, 0.0)
     head = ("model.norm", "lm_head")
     c = ev.edge_costs[(*head, 0)]
