@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace as dc_replace
 
-from autoshard.errors import ConfigurationError, require_positive
+from autoshard.errors import ConfigurationError, InfeasiblePlanError, require_positive
 from autoshard.models.names import is_zoo_or_spec, resolve_spec
 from autoshard.planner.estimate import HandConfig, estimate
 from autoshard.plans.plan import graph_fields
 
-__all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "load_graph", "autoparallel"]
+__all__ = ["estimate_config", "resolve_cluster", "plan", "plan_with_baselines", "float8_searches", "load_graph",
+           "autoparallel"]
 
 
 def resolve_cluster(cluster):
@@ -287,6 +288,33 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
             progress("pricing the baselines")
         priced = compute_baselines(graph, cluster, global_batch=gb, cap_bytes=cap)
     return the_plan, result, priced, graph, cluster
+
+
+def float8_searches(model, graph, cluster, *, global_batch: int, memory_cap: float | None = None,
+                    space: str | None = None, time_limit_s: float = 20.0, attention: str = "auto",
+                    compile: bool | None = None, progress=None) -> dict:
+    """Recipe -> the fastest plan over `space` with the block Linears in that float8 recipe (None where none
+    fits): what `plan` offers when its own layout is one the runtime does not train in float8 (tensor, expert
+    or context parallelism; planner/offers.py `float8_blocked_by`). The search is the one `plan --float8 RECIPE`
+    runs, on the same graph, batch and memory cap."""
+    from autoshard.cost_models.float8 import FLOAT8_RECIPES
+    from autoshard.planner.outer import best_plan
+    from autoshard.planner.search import parse_space
+
+    cluster = resolve_cluster(cluster)
+    cap, searched = _cap_bytes(cluster, memory_cap), parse_space(space)
+    out = {}
+    for recipe in FLOAT8_RECIPES:
+        if progress is not None:
+            progress(f"searching the plans in float8 ({recipe})")
+        try:
+            out[recipe], _ = best_plan(graph, cluster, global_batch=global_batch, space=searched, cap_bytes=cap,
+                                       time_limit_s=time_limit_s, progress=progress,
+                                       local_graph=_local_graphs(model, attention),
+                                       lowering=_lowering(compile, recipe))
+        except InfeasiblePlanError:
+            out[recipe] = None
+    return out
 
 
 def autoparallel(model, cluster, *, example_inputs, global_batch: int, plan=None, space=None,

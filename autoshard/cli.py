@@ -182,10 +182,18 @@ def _cmd_plan(args) -> int:
         args.model, args.cluster, global_batch=args.global_batch, seq=args.seq, memory_cap=args.memory_cap,
         space=args.space, time_limit_s=args.time_limit, progress=args.progress, attention=args.attention,
         compile={"auto": None, "on": True, "off": False}[args.compile], float8=args.float8 or "")
+    from autoshard.planner.offers import float8_blocked_by, float8_offers
+
+    searched = None
+    if not args.float8 and float8_blocked_by(plan, cluster):  # the layout is not one the runtime runs in float8
+        from autoshard.api import float8_searches
+
+        searched = float8_searches(args.model, graph, cluster, global_batch=plan.global_batch,
+                                   memory_cap=args.memory_cap, space=args.space, time_limit_s=args.time_limit,
+                                   attention=args.attention, compile={"auto": None, "on": True, "off": False}[args.compile],
+                                   progress=args.progress)
     args.progress.close()
     plan = dc_replace(plan, baselines=tuple(baselines.values()))
-    from autoshard.planner.offers import float8_offers
-
     offers = float8_offers(plan, graph, cluster)
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
@@ -205,6 +213,10 @@ def _cmd_plan(args) -> int:
                        "solver": plan.solver},
             "context_parallel": result.context_parallel, "expert_parallel": result.expert_parallel,
             "float8_offer": offers,
+            "float8_search": None if searched is None else {
+                recipe: None if p is None else {"tokens_per_s": p.prediction.tokens_per_s, "mesh": p.mesh.to_json(),
+                                                "configuration": _config_label(p)}
+                for recipe, p in searched.items()},
             "plan_file_json": plan.to_json()}  # `explain` reads this document as it reads a plan file
     if args.plot:  # the picture first: a plot that fails leaves no plan file behind
         from autoshard.plotting import plot_plan
@@ -214,7 +226,11 @@ def _cmd_plan(args) -> int:
     if args.output:
         plan.save(args.output)
         data["plan_file"] = args.output
-    _emit(args, data, "\n".join(_plan_text(plan, result, baselines, cluster, block_table(plan), args, offers)))
+    text = _plan_text(plan, result, baselines, cluster, block_table(plan), args, offers)
+    if searched is not None:
+        at = next(i for i, line in enumerate(text) if line.startswith("lowering"))
+        text[at + 1:at + 1] = _search_offer_text(plan, searched, float8_blocked_by(plan, cluster))
+    _emit(args, data, "\n".join(text))
     return 0
 
 
@@ -224,6 +240,26 @@ def _offer_text(plan, offers: dict[str, float]) -> list[str]:
     base = plan.prediction.tokens_per_s
     parts = [f"{recipe} {tps:,.0f} tokens/s ({100 * (tps / base - 1):+.1f}%)" for recipe, tps in offers.items()]
     return ["float8 offer     " + ", ".join(parts) + "; plan with --float8 RECIPE to use it (changes numerics)"]
+
+
+def _config_label(plan) -> str:
+    """A plan's layout in one line, as the baselines' configurations read."""
+    from autoshard.planner.explain import batch_label
+
+    pipe = plan.pipeline
+    return (f"{plan.mesh}" + (f", {pipe.schedule} x{pipe.virtual_stages}" if pipe.degree > 1 else "")
+            + f", micro-batch {batch_label(plan.micro_batch, plan.num_microbatches)}, recompute {plan.recompute}")
+
+
+def _search_offer_text(plan, searched: dict, blocked: str) -> list[str]:
+    """The float8 offer of a plan whose layout the runtime does not train in float8: the float8 search's plans."""
+    base = plan.prediction.tokens_per_s
+    parts = [f"{recipe}: no plan fits" if p is None else
+             f"{recipe} {p.prediction.tokens_per_s:,.0f} tokens/s "
+             f"({100 * (p.prediction.tokens_per_s / base - 1):+.1f}%: {_config_label(p)})"
+             for recipe, p in searched.items()]
+    return [f"float8 offer     not on this layout (autoshard's runtime trains float8 without {blocked}); searched "
+            "in float8: " + ", ".join(parts) + "; plan with --float8 RECIPE to use it (changes numerics)"]
 
 
 def _lowering_label(plan) -> str:

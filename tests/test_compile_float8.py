@@ -256,6 +256,37 @@ def test_the_planner_offers_float8_on_fp8_gpus_for_plans_the_runtime_runs_in_flo
     assert float8_offers(priced, graph, h100) == {}
 
 
+def test_only_tensor_expert_or_context_parallel_layouts_on_fp8_gpus_are_blocked_from_float8():
+    from autoshard.planner.offers import float8_blocked_by
+
+    h100, a100 = ClusterSpec.parse("1x2xH100-80GB"), ClusterSpec.parse("1x2xA100-80GB")
+    tp, _ = estimate_config(TINY_LLAMA, h100, tp=2, dp=1, global_batch=4)
+    dp, _ = estimate_config(TINY_LLAMA, h100, dp=2, global_batch=4)
+    assert float8_blocked_by(tp, h100) == "tensor parallelism"
+    assert float8_blocked_by(dp, h100) == ""
+    assert float8_blocked_by(estimate_config(TINY_LLAMA, a100, tp=2, dp=1, global_batch=4)[0], a100) == ""
+
+
+def test_a_plan_whose_layout_the_runtime_does_not_train_in_float8_offers_the_plans_the_float8_search_finds(capsys):
+    """Llama 3 70B on 256 H100s: the 16-bit plan takes tensor parallelism, which the runtime does not train in
+    float8; the offer is then the fastest plan of each recipe, the same plan `plan --float8 RECIPE` prints."""
+    import json
+
+    from autoshard import cli
+
+    argv = ["plan", "llama3-70b", "--cluster", "32x8xH100-80GB", "--global-batch", "512", "--json"]
+    assert cli.main(argv) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert dict(bf16["mesh"]).get("tp", 1) > 1 and bf16["float8_offer"] == {}
+    assert set(bf16["float8_search"]) == {"tensorwise", "rowwise"}
+    assert cli.main([*argv, "--float8", "tensorwise"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    offered = bf16["float8_search"]["tensorwise"]
+    assert offered["mesh"] == fp8["mesh"] and not any(a.startswith("tp") for a, _ in offered["mesh"])
+    assert offered["tokens_per_s"] == pytest.approx(fp8["predicted"]["tokens_per_s"])
+    assert fp8["float8_search"] is None  # asked for float8: nothing to offer
+
+
 def test_gpu_check_judges_a_float8_plans_loss_against_its_16_bit_twin():
     from autoshard.validation.gpu_check import FLOAT8_LOSS_RTOL, Run, _compare_float8_losses
 

@@ -3,6 +3,8 @@
 Float8 changes the numerics (torchao's Float8Linear: e4m3 operands), so the planner never switches it on by
 itself; on an H100 / H200 cluster it prices the chosen plan with each recipe where the runtime runs it (no
 tensor or expert parallelism: runtime/compile.py) and reports the predicted throughput, so a user can decide.
+Where the chosen layout is one the runtime does not train in float8, `plan` offers instead the fastest plan the
+search finds in each recipe (api.float8_searches: the search `plan --float8 RECIPE` runs).
 """
 
 from __future__ import annotations
@@ -14,14 +16,29 @@ from autoshard.cost_models.float8 import FLOAT8_RECIPES
 from autoshard.cost_models.prediction import evaluate_plan
 from autoshard.plans.plan import Plan
 
-__all__ = ["float8_offers"]
+__all__ = ["float8_offers", "float8_blocked_by"]
+
+
+def float8_blocked_by(plan: Plan, cluster) -> str:
+    """What in `plan`'s layout the runtime does not train in float8 ("tensor parallelism", "expert parallelism",
+    "context parallelism"); "" where it does, the GPU has no fp8 tensor cores or the plan is in float8 already.
+    Where it is not "", `plan` offers the float8 search's plans instead (api.float8_searches)."""
+    if not cluster.gpu.fp8_gemm_speedup or plan.float8:
+        return ""
+    if plan.mesh.tp_axes:
+        return "tensor parallelism"
+    if plan.ep > 1:
+        return "expert parallelism"
+    if plan.mesh.degree("cp") > 1:
+        return "context parallelism"
+    return ""
 
 
 def float8_offers(plan: Plan, graph: OpGraph, cluster) -> dict[str, float]:
     """Recipe -> predicted tokens/s of `plan` with its block Linears in float8 (same layout, micro-batch and
     recompute); {} where the GPU has no fp8 tensor cores, the plan is in float8 already, or the runtime would
-    not run it (tensor or expert parallelism)."""
-    if not cluster.gpu.fp8_gemm_speedup or plan.float8 or plan.mesh.tp_axes or plan.ep > 1 or plan.mesh.degree("cp") > 1:
+    not run it (`float8_blocked_by`)."""
+    if not cluster.gpu.fp8_gemm_speedup or plan.float8 or float8_blocked_by(plan, cluster):
         return {}
     return {recipe: evaluate_plan(replace(plan, float8=recipe), graph, cluster).prediction.tokens_per_s
             for recipe in FLOAT8_RECIPES}
