@@ -293,27 +293,30 @@ def plan_with_baselines(model, cluster, *, global_batch: int | None = None, seq:
 def float8_searches(model, graph, cluster, *, global_batch: int, memory_cap: float | None = None,
                     space: str | None = None, time_limit_s: float = 20.0, attention: str = "auto",
                     compile: bool | None = None, progress=None) -> dict:
-    """Recipe -> the fastest plan over `space` with the block Linears in that float8 recipe (None where none
-    fits): what `plan` offers when its own layout is one the runtime does not train in float8 (tensor, expert
-    or context parallelism; planner/offers.py `float8_blocked_by`). The search is the one `plan --float8 RECIPE`
-    runs, on the same graph, batch and memory cap."""
+    """Recipe -> the fastest plan with the block Linears in that float8 recipe (None where none fits): what
+    `plan` offers when its own layout is one the runtime does not train in float8 (planner/offers.py
+    `float8_blocked_by`). The search `plan --float8 RECIPE` runs, on the same graph, batch and memory cap, over
+    the families of `space` the runtime trains in float8 (not tensor or expert parallelism)."""
     from autoshard.cost_models.float8 import FLOAT8_RECIPES
     from autoshard.planner.outer import best_plan
     from autoshard.planner.search import parse_space
 
     cluster = resolve_cluster(cluster)
-    cap, searched = _cap_bytes(cluster, memory_cap), parse_space(space)
+    # the families whose plans the runtime trains in float8: no tensor or expert parallelism (runtime/compile.py)
+    cap, searched = _cap_bytes(cluster, memory_cap), parse_space(space) - {"tp1d", "tp2d", "tp3d", "ep"}
     out = {}
     for recipe in FLOAT8_RECIPES:
         if progress is not None:
             progress(f"searching the plans in float8 ({recipe})")
         try:
-            out[recipe], _ = best_plan(graph, cluster, global_batch=global_batch, space=searched, cap_bytes=cap,
-                                       time_limit_s=time_limit_s, progress=progress,
-                                       local_graph=_local_graphs(model, attention),
-                                       lowering=_lowering(compile, recipe))
-        except InfeasiblePlanError:
-            out[recipe] = None
+            if not searched & {"dp", "zero", "pp"}:
+                raise InfeasiblePlanError("no family of the space trains in float8")
+            found, _ = best_plan(graph, cluster, global_batch=global_batch, space=searched, cap_bytes=cap,
+                                 time_limit_s=time_limit_s, progress=progress, local_graph=_local_graphs(model, attention),
+                                 lowering=_lowering(compile, recipe))
+        except (InfeasiblePlanError, ConfigurationError):  # nothing of those families fits or divides the GPUs
+            found = None
+        out[recipe] = found if found is not None and found.float8 == recipe else None
     return out
 
 

@@ -254,12 +254,16 @@ def _config_label(plan) -> str:
 def _search_offer_text(plan, searched: dict, blocked: str) -> list[str]:
     """The float8 offer of a plan whose layout the runtime does not train in float8: the float8 search's plans."""
     base = plan.prediction.tokens_per_s
-    parts = [f"{recipe}: no plan fits" if p is None else
+    head = f"float8 offer     not on this layout (autoshard's runtime trains float8 without {blocked})"
+    if not any(searched.values()):
+        return [head + "; searched in float8: no plan without it fits"]
+    parts = [f"{recipe}: no plan without it fits" if p is None else
              f"{recipe} {p.prediction.tokens_per_s:,.0f} tokens/s "
              f"({100 * (p.prediction.tokens_per_s / base - 1):+.1f}%: {_config_label(p)})"
              for recipe, p in searched.items()]
-    return [f"float8 offer     not on this layout (autoshard's runtime trains float8 without {blocked}); searched "
-            "in float8: " + ", ".join(parts) + "; plan with --float8 RECIPE to use it (changes numerics)"]
+    faster = any(p is not None and p.prediction.tokens_per_s > base for p in searched.values())
+    return [head + "; searched in float8: " + ", ".join(parts)
+            + ("; plan with --float8 RECIPE to use it (changes numerics)" if faster else "; none is faster")]
 
 
 def _lowering_label(plan) -> str:

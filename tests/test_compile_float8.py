@@ -269,7 +269,8 @@ def test_only_tensor_expert_or_context_parallel_layouts_on_fp8_gpus_are_blocked_
 
 def test_a_plan_whose_layout_the_runtime_does_not_train_in_float8_offers_the_plans_the_float8_search_finds(capsys):
     """Llama 3 70B on 256 H100s: the 16-bit plan takes tensor parallelism, which the runtime does not train in
-    float8; the offer is then the fastest plan of each recipe, the same plan `plan --float8 RECIPE` prints."""
+    float8; the offer is then the fastest plan of each recipe without it, here faster than the 16-bit plan and
+    so the plan `plan --float8 RECIPE` chooses."""
     import json
 
     from autoshard import cli
@@ -285,6 +286,19 @@ def test_a_plan_whose_layout_the_runtime_does_not_train_in_float8_offers_the_pla
     assert offered["mesh"] == fp8["mesh"] and not any(a.startswith("tp") for a, _ in offered["mesh"])
     assert offered["tokens_per_s"] == pytest.approx(fp8["predicted"]["tokens_per_s"])
     assert fp8["float8_search"] is None  # asked for float8: nothing to offer
+
+
+def test_the_float8_search_offers_no_plan_where_only_layouts_the_runtime_does_not_train_in_float8_fit():
+    """One sample on 2 H100s: no data-parallel layout exists, and the search's tensor-parallel plan keeps 16-bit
+    GEMMs (the runtime does not train it in float8): nothing to offer. With 4 samples data parallelism fits."""
+    from autoshard.api import float8_searches, load_graph
+
+    graph = load_graph(TINY_LLAMA)
+    h100 = ClusterSpec.parse("1x2xH100-80GB")
+    assert float8_searches(TINY_LLAMA, graph, h100, global_batch=1, space="dp,zero,tp1d") == \
+        {"tensorwise": None, "rowwise": None}
+    found = float8_searches(TINY_LLAMA, graph, h100, global_batch=4, space="dp,zero,tp1d")
+    assert {r: p.float8 for r, p in found.items()} == {"tensorwise": "tensorwise", "rowwise": "rowwise"}
 
 
 def test_gpu_check_judges_a_float8_plans_loss_against_its_16_bit_twin():
