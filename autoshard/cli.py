@@ -227,9 +227,16 @@ def _cmd_plan(args) -> int:
         plan.save(args.output)
         data["plan_file"] = args.output
     text = _plan_text(plan, result, baselines, cluster, block_table(plan), args, offers)
+    at = next(i for i, line in enumerate(text) if line.startswith("lowering")) + 1
     if searched is not None:
-        at = next(i for i, line in enumerate(text) if line.startswith("lowering"))
-        text[at + 1:at + 1] = _search_offer_text(plan, searched, float8_blocked_by(plan, cluster))
+        text[at:at] = _search_offer_text(plan, searched, float8_blocked_by(plan, cluster))
+    if args.float8 and not plan.float8:  # the fastest plan is on a layout the runtime trains in 16 bits
+        note = (f"asked for float8 ({args.float8}), but the fastest plan uses "
+                f"{float8_blocked_by(plan, cluster) or 'a layout on DTensors'}, which the "
+                "runtime trains in 16 bits: its GEMMs stay 16-bit; --space dp,zero,pp plans only layouts trained "
+                "in float8")
+        data["warnings"].append(note)
+        text[at:at] = [f"caution          {note}"]
     _emit(args, data, "\n".join(text))
     return 0
 

@@ -301,6 +301,21 @@ def test_the_float8_search_offers_no_plan_where_only_layouts_the_runtime_does_no
     assert {r: p.float8 for r, p in found.items()} == {"tensorwise": "tensorwise", "rowwise": "rowwise"}
 
 
+def test_a_float8_plan_request_answered_on_a_16_bit_layout_says_so(capsys):
+    """One sample on 2 H100s fits only tensor parallelism, which the runtime trains in 16 bits: `plan --float8`
+    returns that plan with its GEMMs in 16 bits and a caution naming why and what to search instead."""
+    import json
+
+    from autoshard import cli
+
+    assert cli.main(["plan", TINY_LLAMA, "--cluster", "1x2xH100-80GB", "--global-batch", "1", "--float8",
+                     "tensorwise", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["float8"] == "none" and dict(out["mesh"]).get("tp") == 2
+    assert any("asked for float8 (tensorwise)" in w and "tensor parallelism" in w and "--space dp,zero,pp" in w
+               for w in out["warnings"])
+
+
 def test_gpu_check_judges_a_float8_plans_loss_against_its_16_bit_twin():
     from autoshard.validation.gpu_check import FLOAT8_LOSS_RTOL, Run, _compare_float8_losses
 
