@@ -316,6 +316,19 @@ def test_a_float8_plan_request_answered_on_a_16_bit_layout_says_so(capsys):
                for w in out["warnings"])
 
 
+def test_autoparallel_asked_for_float8_logs_when_the_fastest_plan_stays_16_bit(caplog):
+    import logging
+
+    from autoshard.planner.for_runtime import make_runtime_plan
+    from autoshard.planner.search import Lowering
+
+    with caplog.at_level(logging.WARNING, logger="autoshard.planner.for_runtime"):
+        plan = make_runtime_plan(None, ClusterSpec.parse("1x2xH100-80GB"), (), global_batch=1,
+                                 graph=load_graph(TINY_LLAMA), lowering=Lowering(float8="tensorwise"))
+    assert plan.mesh.tp_axes and not plan.float8
+    assert any("float8='tensorwise' was asked for" in r.getMessage() for r in caplog.records)
+
+
 def test_gpu_check_judges_a_float8_plans_loss_against_its_16_bit_twin():
     from autoshard.validation.gpu_check import FLOAT8_LOSS_RTOL, Run, _compare_float8_losses
 

@@ -65,6 +65,10 @@ def make_runtime_plan(model, cluster, example_inputs: tuple, *, global_batch: in
                     time_limit_s=time_limit_s, **({"lowering": lowering} if lowering is not None else {}))
     plan = plan_from_result(graph, cluster, result, global_batch=global_batch, space=families)
     log.info("%s", plan_summary(plan))
+    if lowering is not None and lowering.float8 and not plan.float8:
+        log.warning("float8=%r was asked for, but the fastest plan (mesh %s) is on a layout the runtime trains in "
+                    "16 bits (tensor or expert parallelism): its GEMMs stay 16-bit; space='dp,zero,pp' plans only "
+                    "layouts trained in float8", lowering.float8, plan.mesh)
     return plan
 
 
