@@ -500,7 +500,10 @@ def _check_args(args) -> None:
                                        ("--loss-parallel", args.loss_parallel),
                                        ("--zero-impl", args.zero_impl != "fsdp2"),
                                        ("--cp-attention ring", args.cp_attention == "ring"),
-                                       ("--tp-comm-overlap", bool(args.tp_comm_overlap))) if on]
+                                       ("--tp-comm-overlap", bool(args.tp_comm_overlap)),
+                                       # torchtitan's float8 tensor parallelism; the runtime refuses the plan
+                                       ("--float8 with --tp", bool(args.float8) and args.tp > 1),
+                                       ("--float8 with --ep", bool(args.float8) and args.ep > 1)) if on]
         if other:  # measure compares a run of the runtime with the plan's prediction: it must be the runtime's
             from autoshard.errors import ConfigurationError
 

@@ -217,3 +217,6 @@ def test_estimate_writes_no_plan_file_priced_for_another_engine(tmp_path):
     out = run("estimate", "gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", "--cluster", "1x8xA100-80GB",
               "--tp", "2", "--dp", "4", "--global-batch", "4", "--loss-parallel", "-o", str(target))
     assert out.returncode == 2 and "--loss-parallel" in out.stderr and not target.exists()
+    out = run("estimate", "gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", "--cluster", "1x8xH100-80GB",
+              "--tp", "2", "--dp", "4", "--global-batch", "4", "--float8", "tensorwise", "-o", str(target))
+    assert out.returncode == 2 and "--float8 with --tp" in out.stderr and not target.exists()
