@@ -294,9 +294,10 @@ def float8_searches(model, graph, cluster, *, global_batch: int, memory_cap: flo
                     space: str | None = None, time_limit_s: float = 20.0, attention: str = "auto",
                     compile: bool | None = None, progress=None) -> dict:
     """Recipe -> the fastest plan with the block Linears in that float8 recipe (None where none fits): what
-    `plan` offers when its own layout is one the runtime does not train in float8 (planner/offers.py
-    `float8_blocked_by`). The search `plan --float8 RECIPE` runs, on the same graph, batch and memory cap, over
-    the families of `space` the runtime trains in float8 (not tensor or expert parallelism)."""
+    `plan` offers where its own layout has no float8 offer (planner/offers.py: tensor or expert parallelism,
+    which the runtime does not train in float8, or context parallelism). The search `plan --float8 RECIPE`
+    runs, on the same graph, batch and memory cap, over the families of `space` the runtime trains in float8
+    (not tensor or expert parallelism)."""
     from autoshard.cost_models.float8 import FLOAT8_RECIPES
     from autoshard.planner.outer import best_plan
     from autoshard.planner.search import parse_space

@@ -184,8 +184,9 @@ def _cmd_plan(args) -> int:
         compile={"auto": None, "on": True, "off": False}[args.compile], float8=args.float8 or "")
     from autoshard.planner.offers import float8_blocked_by, float8_offers
 
+    offers = float8_offers(plan, graph, cluster)
     searched = None
-    if not args.float8 and float8_blocked_by(plan, cluster):  # the layout is not one the runtime runs in float8
+    if cluster.gpu.fp8_gemm_speedup and not args.float8 and not plan.float8 and not offers:  # not on this layout
         from autoshard.api import float8_searches
 
         searched = float8_searches(args.model, graph, cluster, global_batch=plan.global_batch,
@@ -194,7 +195,6 @@ def _cmd_plan(args) -> int:
                                    progress=args.progress)
     args.progress.close()
     plan = dc_replace(plan, baselines=tuple(baselines.values()))
-    offers = float8_offers(plan, graph, cluster)
     pred = plan.prediction
     data = {"model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
             "mesh": plan.mesh.to_json(), "ep": plan.ep, "micro_batch": plan.micro_batch,
@@ -261,15 +261,16 @@ def _config_label(plan) -> str:
 def _search_offer_text(plan, searched: dict, blocked: str) -> list[str]:
     """The float8 offer of a plan whose layout the runtime does not train in float8: the float8 search's plans."""
     base = plan.prediction.tokens_per_s
-    head = f"float8 offer     not on this layout (autoshard's runtime trains float8 without {blocked})"
+    head = "float8 offer     " + (f"not on this layout (autoshard's runtime trains float8 without {blocked}); "
+                                  if blocked else "")
     if not any(searched.values()):
-        return [head + "; searched in float8: no plan without it fits"]
-    parts = [f"{recipe}: no plan without it fits" if p is None else
+        return [head + "searched in float8: no plan fits"]
+    parts = [f"{recipe}: no plan fits" if p is None else
              f"{recipe} {p.prediction.tokens_per_s:,.0f} tokens/s "
              f"({100 * (p.prediction.tokens_per_s / base - 1):+.1f}%: {_config_label(p)})"
              for recipe, p in searched.items()]
     faster = any(p is not None and p.prediction.tokens_per_s > base for p in searched.values())
-    return [head + "; searched in float8: " + ", ".join(parts)
+    return [head + "searched in float8: " + ", ".join(parts)
             + ("; plan with --float8 RECIPE to use it (changes numerics)" if faster else "; none is faster")]
 
 

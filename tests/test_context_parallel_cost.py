@@ -120,6 +120,17 @@ def test_the_planner_chooses_cp_where_no_plan_without_it_fits():
     assert data["predicted"]["iteration_time_s"] == pytest.approx(min(t for t in cp["by_cp_s"].values() if t))
 
 
+def test_the_planner_tries_cp_where_no_layout_without_it_divides_the_gpus_and_the_batch():
+    """One sequence on 4 GPUs with only data parallelism and CP in the space: without CP no layout uses the 4
+    GPUs (the batch does not split), which must leave CP to try, not end the search with that error."""
+    from autoshard.api import plan_with_baselines
+
+    plan, result, _, _, _ = plan_with_baselines("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,"
+                                                "seq=32768", "1x4xH100-80GB", global_batch=1, space="dp,zero,cp",
+                                                baselines=False)
+    assert plan.mesh.degree("cp") == 4 and result.context_parallel["without_cp_s"] is None
+
+
 @pytest.mark.long
 def test_the_planner_keeps_cp_off_where_data_parallel_is_faster():
     data = _plan_json(65536)

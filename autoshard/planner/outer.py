@@ -55,11 +55,13 @@ def best_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[st
     expert-parallel degree. The SearchResult's `context_parallel` and `expert_parallel` say how CP and EP
     compared with the best plan without them."""
     best, first_error, without_cp = None, None, None
+    # a search with no candidate (none fits, or none divides the GPUs and the batch: ConfigurationError) leaves
+    # the others to try; the first one's error is raised only when none finds a plan
     try:
         best = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp", "ep"}, cap_bytes=cap_bytes,
                          time_limit_s=time_limit_s, progress=progress, lowering=lowering)
         without_cp = best[0].prediction.iteration_time_s
-    except InfeasiblePlanError as exc:
+    except (InfeasiblePlanError, ConfigurationError) as exc:
         first_error = exc
     without_ep, by_ep = without_cp, {}
     for ep in expert_parallel_degrees(graph, cluster.num_gpus) if "ep" in space else ():
@@ -68,7 +70,8 @@ def best_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[st
         try:
             p, r = make_plan(graph, cluster, global_batch=global_batch, space=space - {"cp"}, cap_bytes=cap_bytes,
                              time_limit_s=time_limit_s, progress=progress, lowering=lowering, ep=ep)
-        except InfeasiblePlanError:
+        except (InfeasiblePlanError, ConfigurationError) as exc:
+            first_error = first_error or exc
             by_ep[ep] = None
             continue
         by_ep[ep] = p.prediction.iteration_time_s
@@ -82,7 +85,8 @@ def best_plan(graph: OpGraph, cluster, *, global_batch: int, space: frozenset[st
         try:
             p, r = make_plan(local, cluster, global_batch=global_batch * cp, space=space - {"cp", "ep", "pp"},
                              cap_bytes=cap_bytes, time_limit_s=time_limit_s, progress=progress, lowering=lowering, cp=cp)
-        except InfeasiblePlanError:
+        except (InfeasiblePlanError, ConfigurationError) as exc:
+            first_error = first_error or exc
             tried[cp] = None
             continue
         tried[cp] = p.prediction.iteration_time_s
