@@ -178,10 +178,11 @@ def _cmd_plan(args) -> int:
     from autoshard.planner.explain import block_table, explain_groups, explain_rows
 
     args.progress(f"loading the graph of {args.model}")
+    compile_blocks = {"auto": None, "on": True, "off": False}[args.compile]
     plan, result, baselines, graph, cluster = plan_with_baselines(
         args.model, args.cluster, global_batch=args.global_batch, seq=args.seq, memory_cap=args.memory_cap,
         space=args.space, time_limit_s=args.time_limit, progress=args.progress, attention=args.attention,
-        compile={"auto": None, "on": True, "off": False}[args.compile], float8=args.float8 or "")
+        compile=compile_blocks, float8=args.float8 or "")
     from autoshard.planner.offers import float8_blocked_by, float8_offers
 
     offers = float8_offers(plan, graph, cluster)
@@ -191,8 +192,7 @@ def _cmd_plan(args) -> int:
 
         searched = float8_searches(args.model, graph, cluster, global_batch=plan.global_batch,
                                    memory_cap=args.memory_cap, space=args.space, time_limit_s=args.time_limit,
-                                   attention=args.attention, compile={"auto": None, "on": True, "off": False}[args.compile],
-                                   progress=args.progress)
+                                   attention=args.attention, compile=compile_blocks, progress=args.progress)
     args.progress.close()
     plan = dc_replace(plan, baselines=tuple(baselines.values()))
     pred = plan.prediction
@@ -259,7 +259,8 @@ def _config_label(plan) -> str:
 
 
 def _search_offer_text(plan, searched: dict, blocked: str) -> list[str]:
-    """The float8 offer of a plan whose layout the runtime does not train in float8: the float8 search's plans."""
+    """The float8 offer of a plan with no same-layout one (`float8_offers`): the float8 search's plans, and
+    `blocked`, what of its layout the runtime does not train in float8 ("" for a context-parallel plan)."""
     base = plan.prediction.tokens_per_s
     head = "float8 offer     " + (f"not on this layout (autoshard's runtime trains float8 without {blocked}); "
                                   if blocked else "")
