@@ -428,6 +428,11 @@ def _gemm_op(name: str | None, graph: OpGraph) -> bool:
     return op is not None and op.kind in (OpKind.LINEAR, OpKind.MATMUL) and bool(op.params)
 
 
+def _gemm_readers(readers: list[str] | None, graph: OpGraph) -> list[str]:
+    """Of the ops reading one gathered input, the GEMMs (q, k and v; gate and up): what one gather feeds."""
+    return [r for r in readers or () if _gemm_op(r, graph)]
+
+
 def input_readers(tg) -> dict[str, list[str]]:
     """Template op -> the ops reading its output as their first input: the consumers one redistribution of that
     output feeds (q, k and v reading one norm output; gate and up)."""
@@ -466,7 +471,7 @@ def _beside_gemms(fwd_comm_s: float, bwd_comm_s: float, consumer: str, producer:
     if name is None or (ctx.compile and not ctx.compiled(graph.op(name))):
         return 0.0  # Inductor fuses only inside compiled blocks: torchtitan's output Linear gathers by NCCL
     slow, gemms, part = ctx.gpu.overlap_slowdown, [name], 1.0
-    grouped = [r for r in readers or () if _gemm_op(r, graph)] if name == consumer else []
+    grouped = _gemm_readers(readers, graph) if name == consumer else []
     if len(grouped) > 1:
         gemms, part = grouped, share
     fwd_gemm = sum(op_costs[g].fwd_s for g in gemms)
@@ -505,7 +510,7 @@ def _fused_tp_kernels_s(e, c, graph: OpGraph, assign: dict[str, OpStrategy], ctx
     if gather_first:
         x_bytes = 1 if f8 and float8_input_cast_on_edge(ctx) else ab  # gathered in float8 where cast on the shard
         fwd += share * staged_shard_s(m // tp * k * x_bytes, gpu)
-        if len([r for r in readers or () if _gemm_op(r, graph)]) > 1:
+        if len(_gemm_readers(readers, graph)) > 1:
             return fwd, 0.0  # the summed input gradient's reduce-scatter is NCCL's (`_beside_gemms`)
         return fwd, bwd + partials_sum_s(m * k * ab, tp, gpu)
     return fwd + partials_sum_s(m * n * ab, tp, gpu), bwd + staged_shard_s(m // tp * n * ab, gpu)
