@@ -124,3 +124,24 @@ def test_a_compiled_layer_keeps_what_the_min_cut_partitioner_saves(spec):
     measured = _measured_compiled_bytes(spec.format(L=3)) - _measured_compiled_bytes(spec.format(L=2))
     priced = _priced_compiled_bytes(spec.format(L=3)) - _priced_compiled_bytes(spec.format(L=2))
     assert priced == pytest.approx(measured, rel=0.02)
+
+
+def test_megatrons_fused_swiglu_keeps_gate_and_up_not_their_silu():
+    """Megatron-LM's fused SwiGLU (megatron/core/fusions/fused_bias_swiglu.py `SwiGLUFunction`) saves its input,
+    gate and up, and recomputes silu(gate) in backward: under `--fused-kernels` the MLP's pointwise ops keep two
+    intermediate-sized tensors per token, where eager PyTorch keeps three (gate, silu(gate), up)."""
+    from autoshard.api import resolve_cluster
+    from autoshard.planner.estimate import HandConfig, estimate
+
+    graph = capture_ref(LLAMA.format(L=2))
+    pointwise = [op.name for op in graph.ops if op.layer == 0 and ".mlp." in op.name
+                 and op.kind is OpKind.ELEMENTWISE]
+    intermediate = 128 * 688 * 2  # tokens x ffn, bf16
+
+    def kept(fused: bool) -> float:
+        cfg = HandConfig(micro_batch=1, global_batch=1, recompute="none", fused_kernels=fused)
+        _, ev = estimate(graph, resolve_cluster("1x1xH100-80GB"), cfg)
+        return sum(ev.op_costs[name].saved_bytes for name in pointwise)
+
+    assert kept(fused=True) == 2 * intermediate
+    assert kept(fused=False) == 3 * intermediate

@@ -518,7 +518,9 @@ def _saved_bytes(op: Op, st: OpStrategy, ctx: PlanContext, region_inputs: tuple 
     elementwise ops is one fused region, and an input made inside the region (`region_inputs`) is not kept
     but recomputed from the region's own inputs in backward: AOTAutograd's default partitioner for Inductor,
     `min_cut_rematerialization_partition` (torch/_functorch/partitioners.py), recomputes pointwise ops
-    rather than save their outputs. SwiGLU keeps gate and up but not silu(gate). Checked on a Hugging Face
+    rather than save their outputs. SwiGLU keeps gate and up but not silu(gate). Megatron-LM's fused kernels
+    (`fused_pointwise`) do the same: its SwiGLU kernel saves its input only and recomputes the activation in
+    backward (megatron/core/fusions/fused_bias_swiglu.py `SwiGLUFunction`). Checked on a Hugging Face
     Llama layer (bf16, saved-tensor hooks; CPU Inductor and aot_eager_decomp_partition partition alike): 29.28
     bytes kept per token and hidden unit measured, 29.19 priced (tests/test_capture_memory.py; eager
     PyTorch keeps 43); a GPT-2 layer (its GELU one op) 32.16 measured, 32.06 priced."""
@@ -529,7 +531,7 @@ def _saved_bytes(op: Op, st: OpStrategy, ctx: PlanContext, region_inputs: tuple 
     kept = dropped = 0.0
     fused = ctx.fused(op)
     tensors = list(op.saved_fused if fused and op.saved_fused is not None else op.saved)
-    if ctx.compiled(op):
+    if fused and op.layer is not None:
         for meta in region_inputs:
             if meta in tensors:
                 tensors.remove(meta)
@@ -591,7 +593,7 @@ def op_cost(op: Op, st: OpStrategy, ctx: PlanContext, *, block_input: TensorMeta
     MoE layer (`contract.expert_roles`), where expert parallelism moves and unbalances its rows.
     `not_recomputed`: full recompute stops before the op (`evaluate.recompute_stops_before`). `region_inputs`:
     its inputs made by elementwise ops of its block (`evaluate.pointwise_region_inputs`), which a compiled
-    block recomputes instead of saving.
+    block and Megatron's fused kernels recompute instead of saving.
     `memo`: a dict shared by calls on one graph and cluster (the search's), which keeps what a context cannot
     change: everything but recompute's part across recompute modes, kernel times across data-parallel and
     pipeline degrees (they depend only on whether there is one), parameter traffic across micro-batches."""
