@@ -139,7 +139,7 @@ def _estimate(model, cluster, *, tp, pp, dp, micro_batch, global_batch, seq, rec
         fixes, params = _memory_fixes(cfg, loss_bytes=_loss_buffer_bytes(graph, cfg))
         raise ConfigurationError(
             f"this configuration needs {need / 2**30:.1f} GiB per GPU but {cluster.gpu.name} has "
-            f"{cluster.device_memory_bytes / 2**30:.0f} GiB; {fixes}", params=params)
+            f"{cluster.device_memory_text}; {fixes}", params=params)
     return plan, cluster
 
 

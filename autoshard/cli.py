@@ -81,13 +81,12 @@ def prediction_json(pred) -> dict:
 
 def _prediction_text(pred, cluster, plan=None) -> list[str]:
     mem = pred.memory.gib()
-    cap = cluster.device_memory_bytes / 2**30
     return [
         f"iteration time   {pred.iteration_time_s:.3f} s",
         f"throughput       {pred.tokens_per_s:,.0f} tokens/s, {pred.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, "
         f"MFU {pred.mfu * 100:.1f}%",
         "time breakdown   " + ", ".join(f"{k} {v:.3f} s" for k, v in pred.time.seconds().items() if v > 0),
-        f"memory per GPU   {mem['total']:.1f} of {cap:.0f} GiB: " + ", ".join(
+        f"memory per GPU   {mem['total']:.1f} of {cluster.device_memory_text}: " + ", ".join(
             f"{k} {v:.1f}" for k, v in mem.items() if k != "total" and v > 0.005),
         *(f"caution          {w}" for w in _warnings(pred, cluster, plan)),
     ]

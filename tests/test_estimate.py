@@ -220,3 +220,11 @@ def test_estimate_writes_no_plan_file_priced_for_another_engine(tmp_path):
     out = run("estimate", "gpt:layers=2,hidden=256,heads=4,seq=128,vocab=512", "--cluster", "1x8xH100-80GB",
               "--tp", "2", "--dp", "4", "--global-batch", "4", "--float8", "tensorwise", "-o", str(target))
     assert out.returncode == 2 and "--float8 with --tp" in out.stderr and not target.exists()
+
+
+def test_a_configuration_that_does_not_fit_is_told_the_usable_memory_to_the_hundredth():
+    """An H100 80GB has 79.65 GiB usable (nvidia-smi memory.total): a 79.9 GiB need must not read "has 80 GiB"."""
+    from autoshard.hardware_profiles import ClusterSpec
+
+    assert ClusterSpec.parse("1x8xH100-80GB").device_memory_text == "79.65 GiB"
+    assert ClusterSpec.parse("1x8xA100-80GB").device_memory_text == "80 GiB"

@@ -133,6 +133,12 @@ class ClusterSpec:
         gib = self.gpu.memory_gib if self.memory_gib is None else self.memory_gib
         return float(gib) * 2**30
 
+    @property
+    def device_memory_text(self) -> str:
+        """Usable memory per GPU as printed beside a need in GiB: to the hundredth where it is not whole (an H100's
+        79.65, which rounded to 80 would read as room for a 79.9 GiB configuration it rejects)."""
+        return f"{self.device_memory_bytes / 2**30:.2f}".rstrip("0").rstrip(".") + " GiB"
+
     def __str__(self) -> str:
         return self.text
 
