@@ -143,6 +143,7 @@ def _cmd_estimate(args) -> int:
             "float8": args.float8 or "none",
             **prediction_json(pred), "warnings": _warnings(pred, cluster, plan)}
     from autoshard.planner.explain import batch_label, recompute_label
+    from autoshard.plans.plan import ends_as_layers_stage_layers
 
     head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch "
             f"{batch_label(plan.micro_batch, plan.num_microbatches)}, "
@@ -153,8 +154,12 @@ def _cmd_estimate(args) -> int:
             + (f", expert parallel {plan.ep}" if plan.ep > 1 else "")]
     per_chunk = data["pipeline"]["layers_per_chunk"]
     if len(set(per_chunk)) > 1:
+        ends = (sum(per_chunk) + 2) % len(per_chunk) == 0 and per_chunk == [
+            hi - lo for lo, hi in ends_as_layers_stage_layers(sum(per_chunk), len(per_chunk))]
         head.append(f"layers per chunk {','.join(map(str, per_chunk))} (the layers do not divide evenly: "
-                    "balanced by cost, embeddings and head included)")
+                    + ("the embedding and the head each take a layer's place, as Megatron-DeepSpeed, "
+                       "Megatron-Core and torchtitan split them)" if ends else
+                       "balanced by cost, embeddings and head included)"))
     if args.output:
         plan.save(args.output)
         data["plan_file"] = args.output

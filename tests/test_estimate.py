@@ -7,7 +7,9 @@ import pytest
 
 from autoshard.api import estimate_config
 from autoshard.capture import capture_model
+from autoshard.capture.ir import OpKind
 from autoshard.cost_models.bounds import block_costs
+from autoshard.cost_models.template import stage_of
 from autoshard.errors import ConfigurationError
 from autoshard.models import load_model
 from autoshard.planner.estimate import HandConfig
@@ -102,22 +104,41 @@ def test_attention_auto_prices_the_fused_flash_kernel_and_eager_materializes_the
 
 @pytest.mark.long
 def test_layers_that_do_not_divide_into_the_stages_are_balanced_by_cost():
-    """BLOOM-176B ran 70 layers on 12 pipeline stages; Megatron's even split cannot, a balanced one can: the
-    split's slowest stage is as fast as the best of every possible split."""
-    ref = "gpt:layers=14,hidden=256,heads=8,seq=512,vocab=32768"
+    """13 layers on 4 pipeline stages: neither Megatron's even split nor one with the embedding and the head in a
+    layer's place each (15 places) can; a balanced one can: the split's slowest stage is as fast as the best of
+    every possible split."""
+    ref = "gpt:layers=13,hidden=256,heads=8,seq=512,vocab=32768"
     out = run("estimate", ref, "--cluster", "1x8xA100-80GB",
               "--pp", "4", "--dp", "2", "--global-batch", "16", "--json")
     assert out.returncode == 0, out.stderr
     per_chunk = json.loads(out.stdout)["pipeline"]["layers_per_chunk"]
-    assert sum(per_chunk) == 14 and len(per_chunk) == 4
+    assert sum(per_chunk) == 13 and len(per_chunk) == 4
     assert per_chunk[-1] < max(per_chunk)  # the stage with the 32k-vocabulary head gets fewer layers
     costs = block_costs(capture_model(load_model(ref)))
-    splits = [c for c in itertools.product(range(1, 12), repeat=4) if sum(c) == 14]
+    splits = [c for c in itertools.product(range(1, 12), repeat=4) if sum(c) == 13]
     assert max(stage_loads(per_chunk, 4, *costs)) == pytest.approx(
         min(max(stage_loads(list(c), 4, *costs)) for c in splits))
     even, _ = estimate_config("gpt:layers=16,hidden=256,heads=8,seq=512,vocab=1024", "1x8xA100-80GB", pp=4,
                               dp=2, global_batch=16)
     assert [b - a for a, b in even.pipeline.stage_layers] == [4, 4, 4, 4]  # a small head: Megatron's split
+
+
+def test_the_embedding_and_the_head_take_a_layers_place_where_the_layers_plus_two_divide_into_the_chunks():
+    """BLOOM-176B ran 70 layers on 12 stages as 5, 6, ..., 6, 5 (`--pp-partition-method
+    'type:transformer|embedding'`); Llama 3 405B's 126 layers fill 16 x 8 chunks with the embedding alone in the
+    first chunk and the head alone in the last (Llama 3 paper §3.3.2)."""
+    ref = "gpt:layers={},hidden=256,heads=8,seq=512,vocab=1024"
+    bloom_like, _ = estimate_config(ref.format(10), "1x8xA100-80GB", pp=4, dp=2, global_batch=16)
+    assert [b - a for a, b in bloom_like.pipeline.stage_layers] == [2, 3, 3, 2]
+    graph = capture_model(load_model(ref.format(6)))
+    plan, _ = estimate_config(ref.format(6), "1x8xA100-80GB", pp=2, dp=4, global_batch=16,
+                              schedule="interleaved-1f1b", virtual_stages=4)
+    assert [b - a for a, b in plan.pipeline.stage_layers] == [0, 1, 1, 1, 1, 1, 1, 0]
+    chunk = stage_of(graph, plan.pipeline)
+    first = {op.name for op in graph.ops if chunk[op.name] == 0}
+    last = {op.name for op in graph.ops if chunk[op.name] == 7}
+    assert first and all(graph.op(n).layer is None and graph.op(n).kind is not OpKind.LINEAR for n in first)
+    assert any(graph.op(n).kind is OpKind.LINEAR for n in last) and all(graph.op(n).layer is None for n in last)
 
 
 def test_more_pipeline_chunks_than_layers_is_a_one_line_error():

@@ -32,7 +32,15 @@ from autoshard.plans.contract import (
     projection_head_slices,
 )
 from autoshard.plans.layouts import MeshSpec
-from autoshard.plans.plan import SCHEDULES, OpPlan, PipelineSpec, Plan, even_stage_layers, graph_fields
+from autoshard.plans.plan import (
+    SCHEDULES,
+    OpPlan,
+    PipelineSpec,
+    Plan,
+    ends_as_layers_stage_layers,
+    even_stage_layers,
+    graph_fields,
+)
 
 __all__ = ["HandConfig", "estimate", "sequence_parallel_default", "check_batch", "check_context_parallel", "check_expert_parallel"]
 
@@ -223,18 +231,25 @@ def check_expert_parallel(graph: OpGraph, ep: int) -> None:
 
 
 def _stage_layers(graph: OpGraph, pp: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:
-    """Megatron's even split when the layers divide into the chunks; otherwise the cost-balanced split the
-    planner uses (embeddings and head counted), as DeepSpeed's partitioner or Megatron's
-    --decoder-first/last-pipeline-num-layers do for e.g. BLOOM's 70 layers on 12 stages."""
+    """How the engines split a hand-given pipeline: Megatron's even split when the layers divide into the chunks;
+    else, when the layers plus two do, the embedding and the head each in one layer's place
+    (`ends_as_layers_stage_layers`: BLOOM's 70 layers on 12 stages as 5, 6, ..., 6, 5; Llama 3 405B's 126 on
+    16 x 8 chunks with the embedding and the head alone in the first and the last); otherwise the
+    cost-balanced split the planner uses (embeddings and head counted), as Megatron's
+    --decoder-first/last-pipeline-num-layers set by hand would."""
     chunks = pp * virtual_stages
     if chunks == 1:
         return ()
-    if graph.num_layers < chunks:
-        raise ConfigurationError(f"{graph.num_layers} layers cannot fill {chunks} pipeline chunks (pipeline degree "
-                                 "x virtual stages); lower --pp or --virtual-stages")
-    if graph.num_layers % chunks == 0:
-        return even_stage_layers(graph.num_layers, chunks)
-    return balanced_stage_layers(graph.num_layers, pp, virtual_stages, *block_costs(graph))
+    layers = graph.num_layers
+    if layers % chunks == 0:
+        return even_stage_layers(layers, chunks)
+    if (layers + 2) % chunks == 0:
+        return ends_as_layers_stage_layers(layers, chunks)
+    if layers < chunks:
+        raise ConfigurationError(f"{layers} layers cannot fill {chunks} pipeline chunks (pipeline degree "
+                                 f"x virtual stages; {layers + 2} with the embedding and the head each in a chunk "
+                                 "of their own); lower --pp or --virtual-stages")
+    return balanced_stage_layers(layers, pp, virtual_stages, *block_costs(graph))
 
 
 def estimate(graph: OpGraph, cluster, cfg: HandConfig) -> tuple[Plan, Evaluation]:

@@ -21,7 +21,8 @@ from autoshard.plans.breakdown import MemoryBreakdown, TimeBreakdown
 from autoshard.plans.layouts import Layout, MeshSpec
 
 __all__ = ["ParamPlacement", "OpStrategy", "OpPlan", "PipelineSpec", "Prediction", "Baseline", "Plan", "PLAN_VERSION",
-           "SCHEDULES", "RECOMPUTE_MODES", "graph_fields", "check_fingerprint", "even_stage_layers"]
+           "SCHEDULES", "RECOMPUTE_MODES", "graph_fields", "check_fingerprint", "even_stage_layers",
+           "ends_as_layers_stage_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -428,3 +429,20 @@ def even_stage_layers(num_layers: int, chunks: int) -> tuple[tuple[int, int], ..
                                  "(pipeline degree x virtual stages); pick a degree that divides the layer count")
     per = num_layers // chunks
     return tuple((i * per, (i + 1) * per) for i in range(chunks))
+
+
+def ends_as_layers_stage_layers(num_layers: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """The partition large runs use when the layers do not split evenly but the layers plus two do: the
+    embedding and the head each take one layer's place, so the first and the last chunk hold one layer fewer
+    (none where every other chunk holds one). BLOOM's Megatron-DeepSpeed (`--pp-partition-method
+    'type:transformer|embedding'`: 70 layers on 12 stages as 5, 6, ..., 6, 5), Megatron-Core's
+    `--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split`, torchtitan's default split
+    points (`generate_split_points`, input and output weighted as one layer each) and Llama 3's schedule ("the
+    first model chunk on the first stage has only the embedding, and the last model chunk on the last stage has
+    only output projection and loss calculation", Llama 3 paper §3.3.2)."""
+    if chunks < 2 or (num_layers + 2) % chunks:
+        raise ConfigurationError(f"{num_layers} layers plus the embedding and the head do not split evenly into "
+                                 f"{chunks} pipeline chunks; pick a degree that divides {num_layers + 2}")
+    per = (num_layers + 2) // chunks
+    bounds = [0] + [min(num_layers, max(0, (i + 1) * per - 1)) for i in range(chunks)]
+    return tuple((bounds[i], bounds[i + 1]) for i in range(chunks))
