@@ -67,6 +67,21 @@ def test_planner_never_splits_heads_a_key_value_head_count_does_not_divide():
     assert degrees == {1, 2}  # tp=4 would split 2 key/value heads 4 ways
 
 
+def test_an_mlp_width_that_is_no_multiple_of_the_heads_does_not_limit_tensor_parallelism():
+    """Llama 2 7B's MLP is 11,008 wide, 86 heads of 128: a width, not heads. tp 8 splits the 32 heads and the
+    MLP alike (Megatron-LM and torchtitan run it so); only the projections feeding the attention cut whole
+    heads."""
+    from autoshard.api import capture_ref, estimate_config
+    from autoshard.plans.contract import largest_head_divisor, projection_head_slices
+
+    graph = capture_ref("llama:layers=2,hidden=256,heads=4,kv_heads=4,ffn=704,seq=64,vocab=512")  # ffn 11 heads
+    assert {name.rsplit(".", 1)[-1] for name in projection_head_slices(graph)} == {"q_proj", "k_proj", "v_proj"}
+    assert largest_head_divisor(graph) == 4
+    plan, _ = estimate_config("llama:layers=2,hidden=256,heads=4,kv_heads=4,ffn=704,seq=64,vocab=512",
+                              "1x4xA100-80GB", tp=4, global_batch=4)
+    assert plan.mesh.degree("tp") == 4
+
+
 def test_planner_offers_no_one_f_one_b_with_fewer_micro_batches_than_stages():
     from autoshard.api import load_graph
     from autoshard.hardware_profiles import ClusterSpec

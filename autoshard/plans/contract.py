@@ -176,18 +176,46 @@ def kv_head_fraction(graph: OpGraph) -> float:
     return cache["kv_head_fraction"]
 
 
+def _attention_projections(graph: OpGraph) -> set[str]:
+    """The block projections whose outputs reach the attention of their block through ops without parameters:
+    q, k and v, separate or fused (for attention written as matmuls, the matmuls with a 4-D output). Not the
+    MLP's, nor the output projection after the attention."""
+    attn = [op for op in graph.ops if op.kind is OpKind.ATTENTION]
+    if not attn:
+        attn = [op for op in graph.ops if op.kind is OpKind.MATMUL and not op.params
+                and len(op.output_meta.shape) == 4 and op.output_meta.shape[1] > 1]
+    names = {op.name for op in graph.ops}
+    out, seen = set(), set()
+    stack = [(src, a.layer) for a in attn if a.layer is not None for src in a.inputs]
+    while stack:
+        name, layer = stack.pop()
+        if name in seen or name not in names:
+            continue
+        seen.add(name)
+        op = graph.op(name)
+        if op.layer != layer:
+            continue
+        if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and op.params:
+            out.add(name)
+        else:
+            stack.extend((src, layer) for src in op.inputs)
+    return out
+
+
 def projection_head_slices(graph: OpGraph) -> dict[str, int]:
-    """Op -> number of head-sized slices of its output, for every projection in a block whose output is a
-    whole number of heads: a column split must cut whole heads (Falcon's fused multi-query q/k/v is heads + 2
-    slices, reshaped in a view the graph folds away)."""
+    """Op -> number of head-sized slices of its output, for every projection feeding the attention
+    (`_attention_projections`) whose output is a whole number of heads: a column split must cut whole heads
+    (Falcon's fused multi-query q/k/v is heads + 2 slices, reshaped in a view the graph folds away). An MLP's
+    width is no such constraint: Llama 2 7B's 11,008 is 86 heads of 128, and Megatron-LM and torchtitan run
+    it at tp 8."""
     cache = graph_cache(graph)  # read per candidate by the search's strategies
     if "head_slices" not in cache:
         head_dims = _heads_and_head_dims(graph)[1]
         hd = min(head_dims) if head_dims else 0
-        cache["head_slices"] = {} if not hd else {
+        feeding = _attention_projections(graph) if hd else set()
+        cache["head_slices"] = {
             op.name: op.gemm[1] // hd for op in graph.ops
-            if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and op.params and op.layer is not None and op.gemm
-            and op.gemm[1] % hd == 0}
+            if op.name in feeding and op.gemm and op.gemm[1] % hd == 0}
     return cache["head_slices"]
 
 
