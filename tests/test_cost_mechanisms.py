@@ -803,6 +803,52 @@ def test_interleaved_stages_hold_the_warmup_forwards_torchs_schedule_runs_before
         assert inflight_microbatches(0, pipe, m) == pytest.approx(p + (p - 1) / v)
 
 
+def _interleaved_makespan_in_stage_times(p: int, v: int, m: int, fwd: float, bwd: float) -> float:
+    """Run torch's own ScheduleInterleaved1F1B action lists (`_calculate_single_rank_operations`) on p ranks, each
+    chunk forward taking `fwd` and backward `bwd`, every action waiting for the chunk before it (forward) or
+    after it (backward): the step's length in stage-times of one micro-batch (v chunks each way)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    sched = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m,
+                            microbatches_per_round=m // max(1, m // p))
+    ops = [[a for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, r) if a is not None]
+           for r in range(p)]
+    done, free, pos, last = {}, [0.0] * p, [0] * p, p * v - 1
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(ops[r]):
+                a = ops[r][pos[r]]
+                s, i, forward = a.stage_index, a.microbatch_index, a.computation_type == _ComputationType.FORWARD
+                dep = (("F", s - 1, i) if s > 0 else None) if forward else \
+                    (("F", last, i) if s == last else ("B", s + 1, i))
+                if dep is not None and dep not in done:
+                    break
+                free[r] = max(free[r], done.get(dep, 0.0)) + (fwd if forward else bwd)
+                done[("F" if forward else "B", s, i)] = free[r]
+                pos[r] += 1
+                moved = True
+    assert pos == [len(o) for o in ops]  # no deadlock
+    return max(free) / (v * (fwd + bwd))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 1), (4, 2, 1), (4, 2, 3), (4, 4, 2), (8, 4, 3), (4, 2, 4), (4, 3, 4),
+                                   (4, 2, 8)])
+def test_the_interleaved_fill_is_what_torchs_schedule_idles_also_with_fewer_micro_batches_than_stages(p, v, m):
+    """(p - 1)/v of Narayanan et al. holds once a round has p micro-batches; with fewer, a micro-batch comes back
+    to a rank only after p chunk-times and the fill grows to p - m + (m - 1)/v: one micro-batch idles as much
+    as under 1F1B (p - 1), which made `plan` pick a one-micro-batch interleaved pipeline as if it overlapped."""
+    from autoshard.cost_models.evaluate import pipeline_fill
+    from autoshard.plans.plan import PipelineSpec
+
+    pipe = PipelineSpec(degree=p, schedule="interleaved-1f1b", virtual_stages=v)
+    for fwd, bwd in ((1.0, 2.0), (1.0, 1.0)):
+        assert _interleaved_makespan_in_stage_times(p, v, m, fwd, bwd) - m == pytest.approx(pipeline_fill(pipe, m))
+
+
 # -- ZeRO-3 implementations -------------------------------------------------------------------------------------
 def test_deepspeed_2021_zero3_waits_for_a_gather_per_parameter_at_its_measured_rate_and_again_for_recompute():
     """`zero_impl="deepspeed-2021"` (cost_models/zero_impl.py): every parameter of at least 1e5 elements is

@@ -238,14 +238,22 @@ def recompute_stops_before(graph: OpGraph) -> set[str]:
     return cache["recompute_stops"]
 
 
-def pipeline_fill(pipe: PipelineSpec) -> float:
-    """Micro-batch slots the schedule leaves idle: p - 1 for GPipe and 1F1B (a rank's chunks run back to back),
-    (p - 1)/v for interleaved 1F1B and looped BFS (Narayanan et al. 2021 §2.2.2; Lamy-Poirier 2021 §4)."""
-    if pipe.degree == 1:
+def pipeline_fill(pipe: PipelineSpec, m: int) -> float:
+    """Micro-batch slots the schedule leaves idle with m micro-batches: p - 1 for GPipe and 1F1B (a rank's chunks
+    run back to back), (p - 1)/v for interleaved 1F1B and looped BFS (Narayanan et al. 2021 §2.2.2; Lamy-Poirier
+    2021 §4) when a round has at least p micro-batches. With m < p a micro-batch comes back to a stage after p
+    chunk-times, of which the stage spends m on the round: the v·p chunk forwards (and backwards) of the first
+    micro-batch run in turn, the others trail by one chunk each, (v·p + m - 1) chunk-times where m·v are work:
+    p - m + (m - 1)/v, which is p - 1 at m = 1, as 1F1B (torch's `ScheduleInterleaved1F1B` runs one micro-batch
+    through a rank's chunks one after the other)."""
+    p, v = pipe.degree, pipe.virtual_stages
+    if p == 1:
         return 0.0
     if pipe.schedule in ("interleaved-1f1b", "looped-bfs"):
-        return (pipe.degree - 1) / pipe.virtual_stages
-    return float(pipe.degree - 1)
+        if m < p:
+            return p - m + (m - 1) / v
+        return (p - 1) / v
+    return float(p - 1)
 
 
 def inflight_microbatches(stage: int, pipe: PipelineSpec, m: int) -> float:
@@ -835,7 +843,7 @@ def _iteration(stages: list[_Stage], ctx: PlanContext, pipe: PipelineSpec, m: in
         dp, tp = stage_exposed_s(st, ctx, pipe, m)
         full.append(st.fwd + st.bwd + tp + dp + st.p2p)
         shared.append((st.fwd + st.bwd) / share + tp + dp + st.p2p)
-    fill = pipeline_fill(pipe)
+    fill = pipeline_fill(pipe, m)
     t, t_shared = max(full), max(shared)
     slow = full.index(t)
     steady_and_fill = max((m + fill) * t, m * t_shared)

@@ -82,7 +82,7 @@ def compute_bound_s(graph, cand, ctx: PlanContext, strategies: dict, cache: dict
                                      for kt, ch in zip(kernels[name], edge_s, strict=True))
                                  for name, edge_s in charges.items())
         per_stage = max(per_stage, t + fixed[k])
-    return (cand.num_microbatches + pipeline_fill(pipe)) * per_stage
+    return (cand.num_microbatches + pipeline_fill(pipe, cand.num_microbatches)) * per_stage
 
 
 def knapsack_bound_s(graph, cand, prep, cap: float, cache: dict,
@@ -111,7 +111,7 @@ def knapsack_bounds(graph, cand, prep, cap: float, cache: dict):
     relaxation (`knapsack_lp_min`) bounds every plan of the candidate from below."""
     tg, stage = template_for(graph, cand.pipe)
     m, pipe, ctx = cand.num_microbatches, cand.pipe, prep.ctx
-    weight = m + pipeline_fill(pipe)
+    weight = m + pipeline_fill(pipe, m)
     units = stage_units(graph, pipe, stage)
     groups = sum(1 for a in cand.mesh.names if cand.mesh.degree(a) > 1)
     frag = 1.0 + ctx.fragmentation

@@ -2,7 +2,8 @@ r"""The per-operator strategy ILP for one mesh, micro-batch, recompute mode and 
 
 Sets: template ops O (repeated blocks folded, `template.py`), strategies S(o) (`strategies.py`), template
 edges E (u -> v, input i), pipeline stages K. n_k(o), n_k(e): instances of o / e in stage k. m micro-batches
-per replica; fill = p - 1 (1F1B, GPipe) or (p - 1)/v (interleaved, looped BFS).
+per replica; fill = p - 1 (1F1B, GPipe) or (p - 1)/v (interleaved, looped BFS;
+p - m + (m - 1)/v with m < p).
 
 Variables
     x[o,s] in {0,1}        op o runs strategy s                                    (`_strategy_vars`)
@@ -456,7 +457,7 @@ def build_problem(graph: OpGraph, ctx: PlanContext, pipe: PipelineSpec, strategi
             lp += pulp.LpConstraint(_aff([(M, 1.0)] + [(v, -c) for v, c in terms]), pulp.LpConstraintGE, rhs=const)
         lp.setObjective(_aff([(M, 1.0)]))
     else:
-        fill = pipeline_fill(pipe)
+        fill = pipeline_fill(pipe, ctx.num_microbatches)
         S = _var(lp, "S", lowBound=0)
         O = _var(lp, "O", lowBound=0)
         for s_k, first in syncs:

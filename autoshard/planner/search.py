@@ -227,7 +227,7 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                             pruned += 1
                             continue
                         lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tdeg, pp=pp, micro_batch=b,
-                                                num_microbatches=m, fill=pipeline_fill(pipe), recompute=rc,
+                                                num_microbatches=m, fill=pipeline_fill(pipe, m), recompute=rc,
                                                 gemm_speedup=speedup)
                         found.append(Candidate(mesh, b, m, rc, pipe, lb, mem, cp, e, compiled, f8))
     found.sort(key=lambda c: (c.time_lb_s, c.mesh.size, str(c.mesh), c.micro_batch, c.recompute,

@@ -97,7 +97,7 @@ def best_step(graph, cluster, batch: int, schedules, *, tp: int = 8) -> Best | N
                     if mem > cap:
                         continue
                     lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tp, pp=pp, micro_batch=b,
-                                            num_microbatches=m, fill=pipeline_fill(pipe), recompute=rc)
+                                            num_microbatches=m, fill=pipeline_fill(pipe, m), recompute=rc)
                     found.append((lb, pp, dp, b, m, pipe, rc, zero))
     best = None
     for lb, pp, dp, b, m, pipe, rc, zero in sorted(found, key=lambda x: x[0]):
