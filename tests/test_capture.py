@@ -123,3 +123,16 @@ def test_unknown_aten_ops_are_kept_and_reported():
     g = capture(Odd(), (torch.randn(2, 8),))
     assert g.unknown_ops and any(op.kind is OpKind.OTHER for op in g.ops)
     assert math.isclose(g.num_params, 72)
+
+
+def test_an_in_place_aten_op_is_priced_as_its_functional_op_and_a_router_top_k_as_a_reduction():
+    """DeepSeek-V3's attention assigns q and k by slices (`copy_`) and Mixtral's router divides in place (`div_`):
+    left unknown they were priced as opaque ops the planner replicates under tensor parallelism."""
+    from autoshard.capture.aten_kinds import classify
+    from autoshard.capture.ir import OpKind
+
+    assert classify("copy_") is classify("div_") is classify("scatter_") is OpKind.ELEMENTWISE
+    assert classify("sigmoid_") is OpKind.ELEMENTWISE and classify("mul_") is OpKind.ELEMENTWISE
+    assert classify("topk") is OpKind.REDUCTION
+    assert classify("transpose_") is None  # an in-place view is still a view
+    assert classify("__and__") is OpKind.ELEMENTWISE and classify("no_such_op_") is OpKind.OTHER

@@ -41,7 +41,8 @@ LOSS = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d",
                   "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
                   "binary_cross_entropy_with_logits", "kl_div"})
 REDUCTION = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "norm",
-                       "linalg_vector_norm", "logsumexp", "prod", "cumsum", "argmax", "argmin", "all", "any"})
+                       "linalg_vector_norm", "logsumexp", "prod", "cumsum", "argmax", "argmin", "all", "any",
+                       "topk", "sort", "argsort"})  # selections over a dim (a MoE router's top-k): memory-bound
 CONV = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d"})
 # What eager autograd saves for a pointwise op (PyTorch's tools/autograd/derivatives.yaml): its output (result)
 # or its tensor inputs on the gradient path (self); ops not listed save nothing of the activations (add, sub,
@@ -83,7 +84,13 @@ def aten_name(target) -> str:
 
 
 def classify(name: str) -> OpKind | None:
-    """The op kind of one ATen node on the gradient path; None for views (folded into edges)."""
+    """The op kind of one ATen node on the gradient path; None for views (folded into edges). An in-place
+    variant (`copy_`, `div_`, `scatter_`: DeepSeek-V3's attention assigns q and k by slices) is its functional
+    op's kind."""
+    if name.endswith("_") and not name.endswith("__") and name[:-1] and name not in LINEAR_POINTWISE:
+        functional = classify(name[:-1])
+        if functional is not OpKind.OTHER:
+            return functional
     if name in VIEW:
         return None
     for kinds, kind in ((GEMM, OpKind.MATMUL), (EMBEDDING, OpKind.EMBEDDING), (NORM, OpKind.NORM),
