@@ -77,3 +77,11 @@ def default_rwkv():
 
     return RwkvForCausalLM(RwkvConfig(hidden_size=32, num_hidden_layers=3, vocab_size=128, attention_hidden_size=32,
                                       intermediate_size=64, context_length=64))
+
+
+def bloom_12_heads():
+    """BLOOM's attention: baddbmm / bmm over (batch x heads, S, head_dim), ALiBi, no 4-D q, k, v."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(hidden_size=96, n_head=12, n_layer=2, vocab_size=128)), \
+        (torch.zeros(1, 32, dtype=torch.long),)

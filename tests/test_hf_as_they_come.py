@@ -82,6 +82,18 @@ def test_an_mlp_width_that_is_no_multiple_of_the_heads_does_not_limit_tensor_par
     assert plan.mesh.degree("tp") == 4
 
 
+def test_bloom_attention_over_batch_times_heads_still_limits_tensor_parallelism_to_head_divisors():
+    """BLOOM multiplies q and k as (batch x heads, S, head_dim) 3-D tensors: its 12 heads show only in the
+    scores' softmax. tp 8 would cut heads; tp 4 does not."""
+    from autoshard.api import estimate_config
+    from autoshard.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="tp=8 does not divide the 12 attention heads"):
+        estimate_config("tests.factory_models:bloom_12_heads", "1x8xA100-80GB", tp=8, global_batch=8)
+    plan, _ = estimate_config("tests.factory_models:bloom_12_heads", "1x8xA100-80GB", tp=4, global_batch=8)
+    assert plan.mesh.degree("tp") == 4
+
+
 def test_planner_offers_no_one_f_one_b_with_fewer_micro_batches_than_stages():
     from autoshard.api import load_graph
     from autoshard.hardware_profiles import ClusterSpec

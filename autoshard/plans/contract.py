@@ -126,7 +126,8 @@ def expert_parallel_degrees(graph: OpGraph, dp: int) -> tuple[int, ...]:
 
 def _heads_and_head_dims(graph: OpGraph) -> tuple[set[int], set[int]]:
     """(head counts, head dims) of the attention ops' (B, heads, S, head_dim) tensors; for attention written
-    as matmuls (eager), q @ k^T's heads and q's head_dim."""
+    as matmuls (eager), q @ k^T's heads and q's head_dim; for batched matmuls over batch x heads (BLOOM), the
+    softmax's heads and the scores-times-values matmul's head_dim."""
     head_dims, counts = set(), set()
     for op in graph.ops:
         if op.kind is OpKind.ATTENTION:
@@ -140,6 +141,17 @@ def _heads_and_head_dims(graph: OpGraph) -> tuple[set[int], set[int]]:
                 counts.add(op.output_meta.shape[1])
                 if op.input_meta and len(op.input_meta[0].shape) == 4:
                     head_dims.add(op.input_meta[0].shape[3])
+    if not counts:  # batched matmuls over (batch x heads, S, d), as BLOOM's baddbmm / bmm: the scores' softmax
+        for op in graph.ops:  # is (B, heads, S, S), the scores-times-values matmul (batch x heads, S, head_dim)
+            shape = op.output_meta.shape
+            if op.kind is OpKind.SOFTMAX and op.layer is not None and len(shape) == 4 and shape[1] > 1 \
+                    and shape[2] == shape[3]:
+                counts.add(shape[1])
+        for op in graph.ops:
+            shape = op.output_meta.shape
+            if counts and op.kind is OpKind.MATMUL and not op.params and op.layer is not None and len(shape) == 3 \
+                    and shape[2] != shape[1] and any(shape[0] % h == 0 for h in counts):
+                head_dims.add(shape[2])
     return counts, head_dims
 
 
@@ -178,12 +190,11 @@ def kv_head_fraction(graph: OpGraph) -> float:
 
 def _attention_projections(graph: OpGraph) -> set[str]:
     """The block projections whose outputs reach the attention of their block through ops without parameters:
-    q, k and v, separate or fused (for attention written as matmuls, the matmuls with a 4-D output). Not the
-    MLP's, nor the output projection after the attention."""
+    q, k and v, separate or fused (for attention written as matmuls, the block's matmuls of two activations).
+    Not the MLP's, nor the output projection after the attention."""
     attn = [op for op in graph.ops if op.kind is OpKind.ATTENTION]
-    if not attn:
-        attn = [op for op in graph.ops if op.kind is OpKind.MATMUL and not op.params
-                and len(op.output_meta.shape) == 4 and op.output_meta.shape[1] > 1]
+    if not attn:  # attention written as matmuls: a block's matmuls of two activations (q @ k^T, p @ v)
+        attn = [op for op in graph.ops if op.kind is OpKind.MATMUL and not op.params and op.layer is not None]
     names = {op.name for op in graph.ops}
     out, seen = set(), set()
     stack = [(src, a.layer) for a in attn if a.layer is not None for src in a.inputs]
