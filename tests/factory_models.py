@@ -85,3 +85,11 @@ def bloom_12_heads():
 
     return BloomForCausalLM(BloomConfig(hidden_size=96, n_head=12, n_layer=2, vocab_size=128)), \
         (torch.zeros(1, 32, dtype=torch.long),)
+
+
+def default_t5():
+    """An encoder-decoder as a user writes it: the model alone, its inputs left to autoshard."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                               vocab_size=128))

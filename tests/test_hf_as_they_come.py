@@ -177,6 +177,16 @@ def test_encoder_decoder_captures_from_its_natural_keyword_inputs():
         capture(model, {"input_ids": ids, "labels_typo": ids})
 
 
+def test_an_encoder_decoder_factory_without_inputs_is_given_decoder_ids_too(capsys):
+    """A T5 factory returning only the model: autoshard guessed encoder token ids alone and the export failed
+    with advice to make the model exportable; it now passes decoder ids too, as `model(ids, None, ids)`."""
+    from autoshard.cli import main
+
+    assert main(["estimate", "tests.factory_models:default_t5", "--seq", "16", "--cluster", "1x2xA100-80GB",
+                 "--global-batch", "2", "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_time_s"] > 0
+
+
 @pytest.mark.long
 def test_a_block_list_whose_first_block_differs_is_never_pipelined_and_estimate_says_why(capsys):
     # RWKV's block 0 has an extra LayerNorm: blocks 1-2 repeat, block 0 does not. Stages cut the model's list of

@@ -52,7 +52,10 @@ class LoadedModel:
                 raise ModelSpecError(f"{self.name}: its config states no sequence length (no n_positions, "
                                      "max_position_embeddings or seq_length); pass seq=N (the tokens per sample) or make "
                                      "the factory return (model, example_inputs)", params=("seq",))
-            return (torch.zeros(batch, seq, dtype=torch.long, device=device),)
+            ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+            if getattr(cfg, "is_encoder_decoder", False):  # T5, BART: (input_ids, attention_mask, decoder_input_ids)
+                return (ids, None, ids.clone())
+            return (ids,)
         if spec.family == "vit":
             return (torch.zeros(batch, 3, spec.image, spec.image, device=device),)
         if spec.family == "mlp":
