@@ -187,6 +187,18 @@ def test_an_encoder_decoder_factory_without_inputs_is_given_decoder_ids_too(caps
     assert json.loads(capsys.readouterr().out)["iteration_time_s"] > 0
 
 
+def test_a_model_whose_blocks_do_not_repeat_is_planned_without_recompute_it_would_not_run(capsys):
+    """T5 with two layers: each block list's first block differs (relative position bias), so no block repeats
+    and full recompute changes nothing; the tie went to "full" (alphabetically first), which the plan then
+    claimed to run."""
+    from autoshard.cli import main
+
+    assert main(["plan", "tests.factory_models:default_t5", "--seq", "16", "--cluster", "1x2xA100-80GB",
+                 "--global-batch", "4", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recompute"] == "none"
+
+
 @pytest.mark.long
 def test_a_block_list_whose_first_block_differs_is_never_pipelined_and_estimate_says_why(capsys):
     # RWKV's block 0 has an extra LayerNorm: blocks 1-2 repeat, block 0 does not. Stages cut the model's list of

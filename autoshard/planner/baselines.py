@@ -26,7 +26,7 @@ from autoshard.planner.manual import megatron_assignment
 from autoshard.planner.stages import balanced_stage_layers
 from autoshard.plans.contract import pipeline_blocker, schedule_blocker
 from autoshard.plans.layouts import MeshSpec
-from autoshard.plans.plan import Baseline, PipelineSpec, Prediction
+from autoshard.plans.plan import RECOMPUTE_MODES, Baseline, PipelineSpec, Prediction
 from autoshard.plans.strategies import strategies_in
 
 __all__ = ["Baseline", "BASELINES", "compute_baselines"]
@@ -139,7 +139,7 @@ def _megatron(graph, cluster, global_batch, cap, *, pipelines: bool) -> _Best:
             scored.append((lb, tp, pp, dp, b, m, v, rc))
         else:
             best.pruned(mem)
-    for lb, tp, pp, dp, b, m, v, rc in sorted(scored):
+    for lb, tp, pp, dp, b, m, v, rc in sorted(scored, key=lambda t: (*t[:7], RECOMPUTE_MODES.index(t[7]))):
         if lb >= best.bound():
             break
         layers = balanced_stage_layers(graph.num_layers, pp, v, pre, block, post) if pp > 1 else ()

@@ -50,7 +50,7 @@ from autoshard.plans.contract import (
     schedule_blocker,
 )
 from autoshard.plans.layouts import MeshSpec
-from autoshard.plans.plan import SCHEDULES, OpStrategy, PipelineSpec
+from autoshard.plans.plan import RECOMPUTE_MODES, SCHEDULES, OpStrategy, PipelineSpec
 from autoshard.plans.strategies import strategies_in
 
 __all__ = ["SPACE", "Candidate", "SearchResult", "enumerate_candidates", "search", "parse_space", "allowed",
@@ -230,8 +230,9 @@ def enumerate_candidates(graph: OpGraph, cluster, *, global_batch: int, space: f
                                                 num_microbatches=m, fill=pipeline_fill(pipe, m), recompute=rc,
                                                 gemm_speedup=speedup)
                         found.append(Candidate(mesh, b, m, rc, pipe, lb, mem, cp, e, compiled, f8))
-    found.sort(key=lambda c: (c.time_lb_s, c.mesh.size, str(c.mesh), c.micro_batch, c.recompute,
-                              c.pipe.schedule, c.pipe.virtual_stages, c.ep))
+    # ties go to the less recompute (a model without repeated blocks recomputes nothing under "full")
+    found.sort(key=lambda c: (c.time_lb_s, c.mesh.size, str(c.mesh), c.micro_batch,
+                              RECOMPUTE_MODES.index(c.recompute), c.pipe.schedule, c.pipe.virtual_stages, c.ep))
     return found, pruned
 
 
