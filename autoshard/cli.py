@@ -145,13 +145,15 @@ def _cmd_estimate(args) -> int:
     from autoshard.planner.explain import batch_label, recompute_label
     from autoshard.plans.plan import ends_as_layers_stage_layers
 
-    head = [f"{plan.model} on {plan.cluster}: mesh {plan.mesh}, micro-batch "
+    head = [f"{plan.model} on {plan.cluster}: mesh {str(plan.mesh) or 'one GPU'}, micro-batch "
             f"{batch_label(plan.micro_batch, plan.num_microbatches)}, "
             f"recompute {recompute_label(plan.recompute, plan.attention)}, attention {data['attention']}"
             + (", sequence parallel" if data["sequence_parallel"] else "")
             + (f", {plan.pipeline.schedule} x{plan.pipeline.virtual_stages}" if plan.pipeline.degree > 1 else "")
             + (f", context parallel {plan.mesh.degree('cp')} ({args.cp_attention} K/V)" if args.cp > 1 else "")
-            + (f", expert parallel {plan.ep}" if plan.ep > 1 else "")]
+            + (f", expert parallel {plan.ep}" if plan.ep > 1 else "")
+            + (", compiled blocks" if args.compile else "")
+            + (f", float8 {args.float8}" if args.float8 else "")]
     per_chunk = data["pipeline"]["layers_per_chunk"]
     if len(set(per_chunk)) > 1:
         ends = (sum(per_chunk) + 2) % len(per_chunk) == 0 and per_chunk == [

@@ -342,3 +342,12 @@ def test_gpu_check_judges_a_float8_plans_loss_against_its_16_bit_twin():
     assert rows[1]["float8_loss_diff"] == pytest.approx(0.01) and rows[1]["float8_loss_ok"]
     assert rows[2]["float8_loss_diff"] == pytest.approx(0.1) and not rows[2]["float8_loss_ok"]
     assert 0.01 < FLOAT8_LOSS_RTOL < 0.1 and "float8_loss_diff" not in rows[0]
+
+
+def test_estimates_configuration_line_names_compiled_blocks_and_the_float8_recipe(capsys):
+    from autoshard.cli import main
+
+    assert main(["estimate", TINY_LLAMA, "--cluster", "1x2xH100-80GB", "--global-batch", "4", "--compile",
+                 "--float8", "tensorwise", "--quiet"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith(", compiled blocks, float8 tensorwise")
