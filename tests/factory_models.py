@@ -93,3 +93,12 @@ def default_t5():
 
     return T5ForConditionalGeneration(T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                                vocab_size=128))
+
+
+def mqa_mistral():
+    """Multi-query attention: one key/value head beside 4 query heads (Gemma 2B, Falcon-7B, PaLM)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=2,
+                        intermediate_size=64, vocab_size=128, max_position_embeddings=64)
+    return MistralForCausalLM(cfg)

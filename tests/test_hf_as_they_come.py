@@ -94,6 +94,19 @@ def test_bloom_attention_over_batch_times_heads_still_limits_tensor_parallelism_
     assert plan.mesh.degree("tp") == 4
 
 
+def test_baselines_split_heads_only_where_the_planner_and_estimate_would(capsys):
+    """One key/value head: estimate refuses every tensor-parallel degree and the search offers none, so the
+    tensor-parallel baselines are not priced either (they priced tp 2 and 2 x 2 grids), and say why."""
+    from autoshard.cli import main
+
+    assert main(["plan", "tests.factory_models:mqa_mistral", "--cluster", "1x4xA100-80GB", "--global-batch", "8",
+                 "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for family in ("tp1d", "tp2d", "tp3d"):
+        assert out["baselines"][family] is None
+        assert "divides the model's attention heads" in out["baseline_configs"][family]
+
+
 def test_planner_offers_no_one_f_one_b_with_fewer_micro_batches_than_stages():
     from autoshard.api import load_graph
     from autoshard.hardware_profiles import ClusterSpec

@@ -17,14 +17,14 @@ import math
 from autoshard.capture.ir import OpGraph
 from autoshard.cost_models.bounds import block_costs, memory_lower_bound_bytes, time_lower_bound_s
 from autoshard.cost_models.context import PlanContext, default_precision
-from autoshard.cost_models.evaluate import evaluate, inflight_microbatches
+from autoshard.cost_models.evaluate import evaluate, inflight_microbatches, pipeline_fill
 from autoshard.cost_models.template import template_for
 from autoshard.errors import ConfigurationError
 from autoshard.planner.explain import batch_label
 from autoshard.planner.ilp import build_problem, extract_assignment, solve
 from autoshard.planner.manual import megatron_assignment
 from autoshard.planner.stages import balanced_stage_layers
-from autoshard.plans.contract import pipeline_blocker, schedule_blocker
+from autoshard.plans.contract import largest_head_divisor, pipeline_blocker, schedule_blocker
 from autoshard.plans.layouts import MeshSpec
 from autoshard.plans.plan import RECOMPUTE_MODES, Baseline, PipelineSpec, Prediction
 from autoshard.plans.strategies import strategies_in
@@ -48,6 +48,7 @@ class _Best:
         self.config = ""
         self.tried = 0  # configurations priced or pruned (0: none divides the batch / GPUs)
         self.smallest = float("inf")  # least memory any of them needed (a lower bound for pruned ones)
+        self.heads_left_out = 0  # the head-slice gcd that left out every tensor-parallel degree (0: none left out)
 
     def offer(self, pred: Prediction, config: str, cap: float) -> None:
         self.tried += 1
@@ -63,6 +64,9 @@ class _Best:
     def note(self, cap: float) -> str:
         if self.pred is not None:
             return ""
+        if self.tried == 0 and self.heads_left_out:
+            return (f"no tensor-parallel degree divides the model's attention heads (their gcd with the "
+                    f"projections' head slices is {self.heads_left_out})")
         if self.tried == 0:
             return "no configuration of this family divides the GPUs and the global batch"
         return f"does not fit: needs at least {self.smallest / 2**30:.1f} GiB per GPU, cap {cap / 2**30:.1f} GiB"
@@ -111,8 +115,12 @@ def _megatron(graph, cluster, global_batch, cap, *, pipelines: bool) -> _Best:
     prec = default_precision(cluster)
     pre, block, post = block_costs(graph)
     cuttable = pipeline_blocker(graph) is None  # stages are priced (and run) from one list of identical blocks
+    heads = largest_head_divisor(graph)  # as the planner and estimate: a column split cuts whole heads
+    degrees = [t for t in _divisors(gpn) if heads == 0 or heads % t == 0]
+    if not pipelines and degrees == [1] and gpn > 1:
+        best.heads_left_out = heads
     configs = []
-    for tp in _divisors(gpn):
+    for tp in degrees:
         for pp in (_divisors(n // tp) if pipelines and cuttable else [1]):
             if (not pipelines and tp == 1) or pp > max(graph.num_layers, 1) or n % (tp * pp):
                 continue
@@ -129,7 +137,8 @@ def _megatron(graph, cluster, global_batch, cap, *, pipelines: bool) -> _Best:
                         configs.append((tp, pp, dp, b, m, v, rc))
     scored = []
     for tp, pp, dp, b, m, v, rc in configs:
-        fill = 0.0 if pp == 1 else (pp - 1) / v
+        fill = pipeline_fill(PipelineSpec(degree=pp, schedule="interleaved-1f1b" if v > 1 else "1f1b",
+                                          virtual_stages=v), m)
         lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tp, pp=pp, micro_batch=b, num_microbatches=m,
                                 fill=fill, recompute=rc)
         pipe0 = PipelineSpec(degree=pp, schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
@@ -164,7 +173,9 @@ def _tensor_family(graph, cluster, global_batch, cap, family: str) -> _Best:
     best = _Best()
     n = cluster.num_gpus
     names = {"tp2d": ("2d",), "tp3d": ("3d-yz", "3d-zy")}[family]
-    for q in (2, 4, 8):
+    heads = largest_head_divisor(graph)  # each grid axis splitting q, k, v cuts whole heads, as in the search
+    best.heads_left_out = heads if heads and heads % 2 else 0
+    for q in (q for q in (2, 4, 8) if heads == 0 or heads % q == 0):
         axes = {"tp2d": {"tp_r": q, "tp_c": q}, "tp3d": {"tp_x": q, "tp_y": q, "tp_z": q}}[family]
         tdeg = math.prod(axes.values())
         if n % tdeg:
