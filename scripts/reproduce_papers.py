@@ -260,7 +260,11 @@ NOTES = {
                            "their gathers.",
     "lga_mpp_shortest_time": "At the critical batch, 1F1B's bubble grows as replicas get fewer micro-batches; "
                              "modular placement divides it by v and layered accumulation gathers parameters once "
-                             "per step, so training keeps speeding up on more GPUs.",
+                             "per step, which pays most where a replica has about as many micro-batches as stages "
+                             "(the sweep above). With fewer, a micro-batch returns to a rank only after p "
+                             "chunk-times and interleaving no longer divides the fill by v: both schedules end bound "
+                             "by one micro-batch's latency through the model, so their shortest times nearly meet. "
+                             "The paper's (p - 1)/(v·m) assumes m >= p.",
 }
 
 
