@@ -136,3 +136,14 @@ def test_an_in_place_aten_op_is_priced_as_its_functional_op_and_a_router_top_k_a
     assert classify("topk") is OpKind.REDUCTION
     assert classify("transpose_") is None  # an in-place view is still a view
     assert classify("__and__") is OpKind.ELEMENTWISE and classify("no_such_op_") is OpKind.OTHER
+
+
+def test_repeated_blocks_are_named_by_their_module_class_even_when_the_block_runs_no_op_of_its_own():
+    """BertLayer hands everything to its submodules (no op's module is the layer itself): its group was named
+    after its first leaf, "Linear"."""
+    from autoshard.api import capture_ref
+
+    assert [g.module_type for g in capture_ref("bert:layers=2,hidden=64,heads=2,seq=32,vocab=128").blocks] == \
+        ["BertLayer"]
+    assert [g.module_type for g in capture_ref("llama:layers=2,hidden=64,heads=4,seq=32,vocab=128").blocks] == \
+        ["LlamaDecoderLayer"]

@@ -34,6 +34,20 @@ def _tied_params(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple(tied)
 
 
+def _with_block_classes(model: nn.Module, blocks: tuple) -> tuple:
+    """Each block group named by its block module's class (`LlamaDecoderLayer`, `BertLayer`): what `find_blocks`
+    reads off the ops names a block whose forward runs no op of its own by its first leaf (`Linear`)."""
+    out = []
+    for group in blocks:
+        first = group.op_names[0][0] if group.op_names and group.op_names[0] else ""
+        index = first[len(group.name) + 1:].split(".", 1)[0] if first.startswith(group.name + ".") else ""
+        try:
+            out.append(replace(group, module_type=type(model.get_submodule(f"{group.name}.{index}")).__name__))
+        except AttributeError:
+            out.append(group)
+    return tuple(out)
+
+
 def capture(model: nn.Module, example_inputs: tuple | dict, *, name: str | None = None) -> OpGraph:
     """Trace `model` on `example_inputs` (any device, meta included; positional, or keyword arguments as a
     dict) into an `OpGraph`.
@@ -46,6 +60,7 @@ def capture(model: nn.Module, example_inputs: tuple | dict, *, name: str | None 
         exported = export_model(model, example_inputs)
     coarse = coarsen(exported, model)
     ops, blocks = find_blocks(_mark_shared(coarse.ops))
+    blocks = _with_block_classes(model, blocks)
     seq = _seq_len(ops)
     graph = OpGraph(model_name=name or type(model).__name__, ops=ops, blocks=blocks, seq_len=seq,
                     outputs=coarse.outputs, unknown_ops=coarse.unknown, tied_params=_tied_params(model),
