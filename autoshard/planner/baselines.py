@@ -137,11 +137,9 @@ def _megatron(graph, cluster, global_batch, cap, *, pipelines: bool) -> _Best:
                         configs.append((tp, pp, dp, b, m, v, rc))
     scored = []
     for tp, pp, dp, b, m, v, rc in configs:
-        fill = pipeline_fill(PipelineSpec(degree=pp, schedule="interleaved-1f1b" if v > 1 else "1f1b",
-                                          virtual_stages=v), m)
-        lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tp, pp=pp, micro_batch=b, num_microbatches=m,
-                                fill=fill, recompute=rc)
         pipe0 = PipelineSpec(degree=pp, schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
+        lb = time_lower_bound_s(graph, cluster.gpu, prec, tp_degree=tp, pp=pp, micro_batch=b, num_microbatches=m,
+                                fill=pipeline_fill(pipe0, m), recompute=rc)
         mem = memory_lower_bound_bytes(graph, prec, tp_degree=tp, pp=pp, dp=dp, max_zero=1, micro_batch=b,
                                        inflight=inflight_microbatches(0, pipe0, m), recompute=rc)
         if mem <= cap:

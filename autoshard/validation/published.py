@@ -192,13 +192,8 @@ def time_rows(ids: tuple[str, ...] = (), path: Path = RUNS, as_run: bool = True)
 MEMORY_ROW_PRECISION = "bf16-mixed-16bit-grads"
 
 
-# Llama 3 405B (`more_published_runs.csv` llama3_405b_*). The Llama 3 paper (§3.3.2, Table 4) states TP 8, PP 16 with
-# an interleaved schedule whose first chunk holds only the embedding and last chunk only the output layer and
-# loss, FSDP sharding optimizer states and gradients, no activation checkpointing. It names no kernels; assumed
-# here as every tensor-parallel engine of that size runs them: sequence parallelism, a fused attention kernel,
-# fused pointwise kernels, the loss on each rank's vocabulary shard. Not stated, so varied: the virtual stages V
-# (126 layers plus the embedding and the head fill at most 16 x 8 chunks) and whether the tensor-parallel
-# collectives overlap the GEMMs.
+# Llama 3 405B (`more_published_runs.csv` llama3_405b_*): what its paper states and the kernels assumed
+# (`_llama3_lines` says which is which), and what it does not state, varied
 LLAMA3_405B_ENGINE = dict(sequence_parallel=True, loss_parallel=True, fused_kernels=True, attention="flash",
                           zero=1, recompute="none")
 LLAMA3_405B_UNSTATED = tuple((v, ov) for v in (1, 2, 4, 8) for ov in ("", "all"))
@@ -234,6 +229,8 @@ def llama3_405b_layouts() -> list[dict]:
 
 
 def _llama3_lines(rows: list[dict]) -> list[str]:
+    from autoshard.hardware_profiles import ClusterSpec
+
     lines = ["## Llama 3 405B: the engine its paper states, the knobs it does not", "",
              "The shared tool prices these rows without sequence parallelism, so they need ~354 GiB per GPU and are "
              "not predicted (table above). The Llama 3 paper (§3.3.2, Table 4) states TP 8, PP 16 with an "
@@ -243,7 +240,8 @@ def _llama3_lines(rows: list[dict]) -> list[str]:
              "pointwise kernels, the loss on vocabulary shards (" + ", ".join(
                  f"`{k}={v}`" for k, v in LLAMA3_405B_ENGINE.items()) + "). Varied, as the paper does not state "
              "them: the virtual stages V (126 layers plus the embedding and the head fill at most 16 x 8 chunks) "
-             "and whether the tensor-parallel collectives overlap the GEMMs. Memory against the H100's 79.65 GiB; "
+             "and whether the tensor-parallel collectives overlap the GEMMs. Memory against the H100's "
+             f"{ClusterSpec.parse('1x8xH100-80GB').device_memory_text}; "
              "the paper shards the gradients, where autoshard's pipelines hold them whole in fp32 "
              "(cost_models/context.py `grads_reduced_per_step`); the last column holds 1/dp of them, as ZeRO-2 "
              "does.", "",
@@ -254,6 +252,7 @@ def _llama3_lines(rows: list[dict]) -> list[str]:
                      f"{r['predicted_s']:.2f} | {r['error_pct']:+.1f}% | {r['memory_gib']:.1f}"
                      f"{'' if r['fits'] else ' (over)'} | {r['sharded_grads_gib']:.1f} |")
     return lines
+
 
 def _memory_prediction(r: dict) -> float:
     """GiB (or GB for ZeRO rows) of the row's metric, predicted."""
