@@ -1,17 +1,19 @@
 """`scripts/gpu_check.py`: the truth loop on one GPU, as one prepared command.
 
 On a machine with one GPU (the project on PYTHONPATH, nothing installed: torch, transformers, numpy, networkx,
-pyyaml and rich, no solver), in this order and each step in its own process:
+pyyaml and rich, no solver), in this order (what a short lease is for first) and each step in its own process:
 
-1. `autoshard profile --quick` on the GPU (one rank under torchrun): the cluster file of this machine;
-2. `autoshard measure` of every plan in `benchmarks/gpu_plans/` (made beforehand on a CPU machine with
-   `--make-plans`, and committed: the flow of a user who plans on a laptop and runs on a cluster): the measured
-   step and the allocator's peaks beside the plan's predicted step and memory (priced on the datasheet profile),
-   and beside the same configuration priced again on the profile of step 1 (`estimate --cluster 1x1@FILE`);
-3. the same Llama step written by hand as torchtitan writes it (`reference_loop.py`), eager and with each
+1. `autoshard measure` of every plan in `benchmarks/gpu_plans/` (made beforehand on a CPU machine with
+   `--make-plans`, and committed: the flow of a user who plans on a laptop and runs on a cluster), or of those
+   `--only` names in its order: the measured step and the allocator's peaks beside the plan's predicted step and
+   memory (priced on the datasheet profile);
+2. the same Llama step written by hand as torchtitan writes it (`reference_loop.py`), eager and with each
    block compiled;
+3. `autoshard profile --quick` on the GPU (one rank under torchrun): the cluster file of this machine, on which
+   every plan's configuration is priced again (`estimate --cluster 1x1@FILE`);
 
-then writes `gpu_validation.md` and `.json` (predicted against measured, per plan and as MAPE) into `--out`.
+and writes `gpu_validation.md` and `.json` (predicted against measured, per plan and as MAPE) into `--out` after
+every step, so that a check cut short leaves what it measured.
 `--cpu` runs the same steps on one CPU rank with tiny models (their plans made on the spot), which CI runs.
 Measuring needs no solver: the plans are files, `estimate` prices without the ILP.
 """
@@ -206,7 +208,7 @@ def _mape(rows: list[dict], key: str) -> float | None:
 
 
 def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, only: tuple[str, ...] = (),
-          budget_s: float | None = None, progress=print) -> dict:
+          budget_s: float | None = None, profile: bool = True, progress=print) -> dict:
     """Profile, measure every plan, time the hand-written loop; returns the report (also written to `out`).
     `budget_s`: no step starts after that many seconds, and none runs past them (the rest are reported as not
     run), so a device lent for a fixed time is never held beyond it."""
@@ -214,7 +216,8 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    runs = tuple(r for r in (CPU_RUNS if cpu else GPU_RUNS) if not only or r.name in only)
+    every = {r.name: r for r in (CPU_RUNS if cpu else GPU_RUNS)}
+    runs = tuple(every[name] for name in only) if only else tuple(every.values())  # in the order asked
     if cpu:
         plans_dir = out / "plans"
         make_plans(runs, CPU_CLUSTER, plans_dir)
@@ -232,23 +235,33 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
                     "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
                     "command": "python scripts/gpu_check.py" + (" --cpu" if cpu else ""), "steps": steps,
                     "warmup": warmup}
-    progress(f"profile ({device})")
-    report["profile"] = _profile(out, timeout_s=within(300 if cpu else 240))
-    rows = []
+    report |= {"profile": {"ok": False, "error": "not run yet"}, "plans": [], "reference": []}
+    rows = report["plans"]
+
+    def write() -> None:
+        """The report as it stands, after every step: a check cut short still leaves what it measured."""
+        for row, run in zip(rows, runs, strict=False):
+            row |= _reprice(run, report["profile"]) if "profiled_predicted_s" not in row else {}
+            if row.get("ok") and "profiled_predicted_s" in row:
+                row["profiled_time_error_pct"] = ((row["profiled_predicted_s"] - row["measured_s"])
+                                                  / row["measured_s"] * 100)
+        _compare_float8_losses(rows, runs[:len(rows)])
+        report["time_mape_pct"] = _mape(rows, "time_error_pct")
+        report["profiled_time_mape_pct"] = _mape(rows, "profiled_time_error_pct")
+        report["memory_mape_pct"] = _mape(rows, "memory_error_pct")
+        report["wall_s"] = round(time.perf_counter() - t_start, 1)
+        (out / "gpu_validation.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "gpu_validation.md").write_text(markdown(report))
+
+    # what a lease is for first: the plans asked for, then the hand-written loop, then this machine's profile
     for run in runs:
         progress(f"measure {run.name}")
         limit = within(300 if cpu else 150)
         rows.append(_measure(run, plans_dir / run.plan_file, CPU_CLUSTER if cpu else None, steps, warmup,
                              timeout_s=limit) if limit else _not_run(run.name, budget_s))
         progress(f"  {_row_line(rows[-1])}")
-    for row, run in zip(rows, runs, strict=True):
-        row |= _reprice(run, report["profile"])
-        if row.get("ok") and "profiled_predicted_s" in row:
-            row["profiled_time_error_pct"] = (row["profiled_predicted_s"] - row["measured_s"]) / row["measured_s"] * 100
-    _compare_float8_losses(rows, runs)
-    report["plans"] = rows
+        write()
     reference = next((r for r in runs if r.reference), None)
-    report["reference"] = []
     if reference is not None:
         for compile_blocks in (False, True):
             progress(f"hand-written loop{' (compiled blocks)' if compile_blocks else ''}: {reference.name}")
@@ -259,12 +272,13 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
             row = report["reference"][-1]
             progress(f"  {reference.name}: " + (f"{row['measured_s'] * 1e3:.1f} ms a step" if row.get("ok") else
                                                  f"FAILED {row.get('error', '')[-600:]}"))
-    report["time_mape_pct"] = _mape(rows, "time_error_pct")
-    report["profiled_time_mape_pct"] = _mape(rows, "profiled_time_error_pct")
-    report["memory_mape_pct"] = _mape(rows, "memory_error_pct")
-    report["wall_s"] = round(time.perf_counter() - t_start, 1)
-    (out / "gpu_validation.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "gpu_validation.md").write_text(markdown(report))
+            write()
+    if profile:
+        progress(f"profile ({device})")
+        report["profile"] = _profile(out, timeout_s=within(300 if cpu else 240))
+    else:
+        report["profile"] = {"ok": False, "error": "not run (--no-profile)", "skipped": True}
+    write()
     return report
 
 
@@ -340,7 +354,7 @@ def markdown(report: dict) -> str:
         f"{prof['host_us_per_op']} us, device per tiny kernel {prof['kernel_launch_us']} us, flash "
         f"attention by length {prof['flash_attention_by_seq']}, FSDP2 per module {prof['fsdp_us_per_module']} us, "
         f"AdamW per tensor {prof['optimizer_us_per_tensor']} us, {prof['wall_s']:.0f} s." if prof.get("ok")
-        else f"failed: {prof.get('error', '')[-300:]}"), ""]
+        else prof.get("error", "") if prof.get("skipped") else f"failed: {prof.get('error', '')[-300:]}"), ""]
     return "\n".join(lines)
 
 
@@ -350,12 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="where the report goes (default: $OUT if set, else benchmarks/)")
     parser.add_argument("--plans", type=Path, default=PLANS_DIR, help="the committed single-GPU plans")
-    parser.add_argument("--only", nargs="*", default=(), help="run only these plans (by name)")
+    parser.add_argument("--only", nargs="*", default=(), help="run only these plans (by name), in this order")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 6 on GPU, 2 on CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 2 on GPU, 1 on CPU)")
     parser.add_argument("--budget", type=float, default=None, metavar="S",
                         help="start no step after S seconds and run none past them (default: 450 on a GPU, none "
                              "with --cpu)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip `autoshard profile` (a second pass of a lease that has profiled once)")
     parser.add_argument("--make-plans", action="store_true",
                         help=f"write the GPU plans into --plans (on a machine with the planner; {GPU_CLUSTER})")
     args = parser.parse_args(argv)
@@ -372,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu else 2)
     budget = args.budget if args.budget is not None else (None if args.cpu else 450.0)
     report = check(cpu=args.cpu, out=out, plans_dir=args.plans, steps=steps, warmup=warmup, only=tuple(args.only),
-                   budget_s=budget, progress=lambda msg: print(msg, flush=True))
+                   budget_s=budget, profile=not args.no_profile, progress=lambda msg: print(msg, flush=True))
     failed = [r["run"] for r in report["plans"] + report["reference"] if not r.get("ok")]
-    failed += ["profile"] if not report["profile"].get("ok") else []
+    failed += ["profile"] if not report["profile"].get("ok") and not report["profile"].get("skipped") else []
     print(f"report: {out / 'gpu_validation.md'}; step-time MAPE {report['time_mape_pct']}; failed: {failed or 'none'}")
     return 1 if failed else 0
