@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from autoshard.measure.profile import FP8_GEMM_SHAPES  # noqa: E402
+
 # (M tokens, K in, N out): the block Linears of gpu_check's Llama 3.2 1B micro-batch (4,096 tokens), then larger
-# Llama 3 widths (8B: 4096 / 14336, 70B: 8192 / 28672) at 8,192 tokens
-GEMM_SHAPES = ((4096, 2048, 2048), (4096, 2048, 512), (4096, 2048, 8192), (4096, 8192, 2048),
-               (4096, 3072, 3072), (4096, 3072, 8192), (8192, 4096, 4096), (8192, 4096, 14336),
-               (8192, 14336, 4096), (8192, 8192, 8192), (8192, 8192, 28672), (8192, 28672, 8192))
+# Llama 3 widths (8B: 4096 / 14336, 70B: 8192 / 28672) at 8,192 tokens: what `autoshard profile` times too
+GEMM_SHAPES = FP8_GEMM_SHAPES
 LINEAR_SHAPES = ((4096, 2048, 2048), (4096, 2048, 512), (4096, 2048, 8192), (4096, 8192, 2048),
                  (8192, 4096, 14336), (8192, 8192, 8192), (8192, 8192, 28672))
 CPU_SHAPES = ((64, 32, 48), (64, 48, 32))

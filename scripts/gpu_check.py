@@ -4,6 +4,7 @@ single-GPU plans, time the hand-written torchtitan-style loop; report in benchma
     PYTHONPATH=. python scripts/gpu_check.py            # on a machine with one GPU (writes to $OUT if set)
     python scripts/gpu_check.py --cpu                   # the same on one CPU rank, tiny models (CI)
     python scripts/gpu_check.py --make-plans            # regenerate benchmarks/gpu_plans/ (needs the planner)
+    python scripts/gpu_check.py --reprice benchmarks/gpu_validation.json   # its measurements, priced again
 """
 
 import sys

@@ -53,12 +53,33 @@ def test_a_compiled_block_costs_its_host_a_graph_call_per_phase_and_a_launch_per
 
 
 def test_a_float8_gemm_runs_at_the_profiles_fp8_speedup_where_it_is_compute_bound():
-    h100 = load_gpu("H100-80GB")
+    h100 = dataclasses.replace(load_gpu("H100-80GB"), fp8_gemm_speedup_by_gflop=())  # the flat speedup alone
     bf16 = gemm_time_s(8192, 8192, 8192, h100) - h100.kernel_launch_us * 1e-6
     fp8 = gemm_time_s(8192, 8192, 8192, h100, float8=True) - h100.kernel_launch_us * 1e-6
     assert bf16 / fp8 == pytest.approx(h100.fp8_gemm_speedup)
     with pytest.raises(ValueError, match="no float8 tensor cores"):
         gemm_time_s(8192, 8192, 8192, load_gpu("A100-80GB"), float8=True)
+
+
+@pytest.mark.parametrize("gpu", ["H100-80GB", "H200-141GB"])
+def test_a_small_float8_gemm_gains_what_the_h200_measured_at_its_size_not_the_large_gemms_speedup(gpu):
+    # benchmarks/float8_shapes.md: torch._scaled_mm over torch.mm 1.07x at 4096 x 2048 x 512 (8.6 GFLOP), 1.24x at
+    # 4096 x 2048 x 2048, 1.84-1.86x at 8192 x 8192 x 28672
+    g = load_gpu(gpu)
+
+    def speedup(m, k, n):
+        launch = g.kernel_launch_us * 1e-6
+        return (gemm_time_s(m, n, k, g) - launch) / (gemm_time_s(m, n, k, g, float8=True) - launch)
+
+    assert speedup(4096, 2048, 512) == pytest.approx(1.07, abs=0.01)
+    assert speedup(4096, 2048, 2048) == pytest.approx(1.24, abs=0.01)
+    assert speedup(8192, 8192, 28672) == pytest.approx(1.85, abs=0.01)
+    assert speedup(65536, 8192, 28672) <= g.fp8_gemm_speedup  # beyond the curve: its last point, capped
+
+
+def test_a_measured_fp8_speedup_curve_needs_fp8_tensor_cores():
+    with pytest.raises(ValueError, match="set both or neither"):
+        dataclasses.replace(load_gpu("A100-80GB"), fp8_gemm_speedup_by_gflop=((10.0, 1.2),))
 
 
 def test_float8_covers_the_block_linears_and_leaves_the_head_in_16_bits():

@@ -24,7 +24,7 @@ import math
 from autoshard.hardware_profiles.profiles import GPUProfile
 
 __all__ = [
-    "gemm_time_s", "measured_gemm_tflops", "memory_bound_time_s", "fused_attention_time_s", "gemm_efficiency",
+    "gemm_time_s", "measured_gemm_tflops", "fp8_gemm_speedup", "memory_bound_time_s", "fused_attention_time_s", "gemm_efficiency",
     "ATTENTION_KERNELS", "FLASH_BACKWARD_FLOPS_FACTOR", "attention_efficiency", "max_attention_efficiency",
 ]
 
@@ -96,14 +96,12 @@ def _bracket(axis: list[float], x: float) -> list[tuple[float, float]]:
 def gemm_time_s(m: int, n: int, k: int, gpu: GPUProfile, *, batch: int = 1, bytes_per_elem: int = 2,
                 float8: bool = False) -> float:
     """Time of `batch` GEMMs (m x k) @ (k x n) in 16-bit with fp32 accumulation; `float8`: both operands in
-    float8 on the fp8 tensor cores, `GPUProfile.fp8_gemm_speedup` times the 16-bit rate of the shape, one byte
-    per input element (cost_models/float8.py)."""
+    float8 on the fp8 tensor cores, one byte per input element (cost_models/float8.py), at the 16-bit rate of the
+    shape times the float8 speedup of a GEMM of its size (`fp8_gemm_speedup`)."""
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
     flops = 2.0 * m * n * k * batch
-    speedup = gpu.fp8_gemm_speedup if float8 else 1.0
-    if float8 and not speedup:
-        raise ValueError(f"{gpu.name} has no float8 tensor cores")
+    speedup = fp8_gemm_speedup(gpu, flops / batch) if float8 else 1.0
     if gpu.gemm_tflops:  # measured by shape; a batch of GEMMs runs like one taller GEMM
         rate = measured_gemm_tflops(gpu.gemm_tflops, m * batch, n, k) * gpu.sustained_tensor_fraction * speedup
         return flops / (rate * 1e12) + gpu.kernel_launch_us * 1e-6
@@ -112,6 +110,27 @@ def gemm_time_s(m: int, n: int, k: int, gpu: GPUProfile, *, batch: int = 1, byte
     in_bytes = 1 if float8 else bytes_per_elem
     t_mem = ((m * k + k * n) * in_bytes + m * n * bytes_per_elem) * batch / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
     return max(t_math, t_mem) + gpu.kernel_launch_us * 1e-6
+
+
+def fp8_gemm_speedup(gpu: GPUProfile, flops: float) -> float:
+    """A float8 GEMM's speed over the 16-bit GEMM of the same shape at `flops` (one GEMM): the profile's measured
+    curve by size (`GPUProfile.fp8_gemm_speedup_by_gflop`: linear in log(GFLOP) between its points, held beyond
+    its ends), capped at `fp8_gemm_speedup`; that alone where the profile has no curve."""
+    if not gpu.fp8_gemm_speedup:
+        raise ValueError(f"{gpu.name} has no float8 tensor cores")
+    curve = gpu.fp8_gemm_speedup_by_gflop
+    if not curve:
+        return gpu.fp8_gemm_speedup
+    gflop = flops / 1e9
+    if gflop <= curve[0][0]:
+        measured = curve[0][1]
+    elif gflop >= curve[-1][0]:
+        measured = curve[-1][1]
+    else:
+        hi = next(i for i, (g, _) in enumerate(curve) if g >= gflop)
+        (g0, x0), (g1, x1) = curve[hi - 1], curve[hi]
+        measured = x0 + math.log(gflop / g0) / math.log(g1 / g0) * (x1 - x0)
+    return min(measured, gpu.fp8_gemm_speedup)
 
 
 def memory_bound_time_s(nbytes: float, gpu: GPUProfile, *, kernels: int = 1) -> float:

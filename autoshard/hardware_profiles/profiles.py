@@ -83,6 +83,12 @@ class GPUProfile:
     # A float8 GEMM's speed over the 16-bit GEMM of the same shape on the fp8 tensor cores (Hopper and newer);
     # 0: no fp8 tensor cores, float8 training refused (cost_models/float8.py)
     fp8_gemm_speedup: float = 0.0
+    # Measured float8 GEMM speedup over the 16-bit GEMM of the same shape, by size: [GFLOP of one GEMM, speedup]
+    # (torch._scaled_mm with tensorwise scales and bf16 out against torch.mm). A float8 GEMM's fixed costs
+    # (prologue, scaling epilogue, the bf16 output tile) do not halve with its operand bytes, so its speedup grows
+    # with its size (H200: 1.07x at 8.6 GFLOP, 1.24x at 34, 1.85x above 1 TFLOP; benchmarks/float8_shapes.md).
+    # cost_models/compute.py takes this curve, capped at `fp8_gemm_speedup`. (): `fp8_gemm_speedup` at every size.
+    fp8_gemm_speedup_by_gflop: tuple = ()
 
     @property
     def sustained_tflops(self) -> float:
@@ -106,6 +112,13 @@ class GPUProfile:
         if any(s <= 0 or not 0 < e <= CAUSAL_MAX_EFFICIENCY for s, e in self.flash_attention_by_seq):
             raise ValueError(f"GPU profile {self.name}: flash_attention_by_seq rows are [seq > 0, fraction in "
                              f"(0, {CAUSAL_MAX_EFFICIENCY:g}]] (of the full score matrix's FLOPs)")
+        object.__setattr__(self, "fp8_gemm_speedup_by_gflop",
+                           tuple(sorted((float(r[0]), float(r[1])) for r in self.fp8_gemm_speedup_by_gflop)))
+        if any(g <= 0 or x <= 0 for g, x in self.fp8_gemm_speedup_by_gflop):
+            raise ValueError(f"GPU profile {self.name}: fp8_gemm_speedup_by_gflop rows are [GFLOP > 0, speedup > 0]")
+        if self.fp8_gemm_speedup_by_gflop and not self.fp8_gemm_speedup:
+            raise ValueError(f"GPU profile {self.name}: fp8_gemm_speedup_by_gflop is a measured float8 speedup, but "
+                             "fp8_gemm_speedup is 0 (no fp8 tensor cores): set both or neither")
         if self.overlap_slowdown < 1:
             raise ValueError(f"GPU profile {self.name}: overlap_slowdown must be >= 1, got {self.overlap_slowdown}")
         if self.device not in ("cuda", "cpu"):

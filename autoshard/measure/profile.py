@@ -10,6 +10,9 @@ time: a step adds its operations' times) and then the median over ranks.
 
     gemm        TFLOP/s of (m x k) @ (k x n) over a grid of shapes, in the training dtype (bf16 on GPUs,
                 fp32 on CPU ranks): the cost model interpolates in it (`GPUProfile.gemm_tflops`)
+    float8      on GPUs with fp8 tensor cores (compute capability 8.9+: H100, H200), the speedup of float8 GEMMs
+                (torch._scaled_mm, tensorwise scales) over bf16 ones of the same shapes, by size
+                (`fp8_gemm_speedup_by_gflop`); without them the profile has no float8 and plans none
     memory      GB/s of a streaming kernel (read + write); the cost of one tiny op as training issues it (on
                 GPUs the host's time per op, `host_us_per_op`; on CPU ranks the op's time, `kernel_launch_us`),
                 and on GPUs the device's time per tiny kernel queued back to back (`kernel_launch_us`)
@@ -45,7 +48,8 @@ import torch.distributed as dist
 
 from autoshard.hardware_profiles.profiles import CAUSAL_MAX_EFFICIENCY
 
-__all__ = ["profile_cluster", "median_profile", "merge_rounds", "GRIDS"]
+__all__ = ["profile_cluster", "median_profile", "merge_rounds", "GRIDS", "FP8_GEMM_SHAPES", "fp8_gemm_speedups",
+           "fp8_fields"]
 
 GRIDS = {  # GEMM dims per (device, quick)
     ("cpu", True): (64, 256, 1024), ("cpu", False): (64, 256, 1024, 2048),
@@ -157,6 +161,50 @@ def _gemm(c: _Ctx) -> list[list[float]]:
                 rows.append([m, n, k, round(2 * m * n * k / t / 1e12, 6)])
         c.say(f"gemm m={m}: {len(rows)} of {len(grid) ** 3} shapes")
     return rows
+
+
+# (M, K, N) of the float8 GEMMs timed against bf16: Llama block Linears at 4,096 tokens (3.2 1B and 3B widths), then
+# at 8,192 (Llama 3 8B and 70B widths); --quick times every third (scripts/float8_shapes.py times them all too)
+FP8_GEMM_SHAPES = ((4096, 2048, 2048), (4096, 2048, 512), (4096, 2048, 8192), (4096, 8192, 2048),
+                   (4096, 3072, 3072), (4096, 3072, 8192), (8192, 4096, 4096), (8192, 4096, 14336),
+                   (8192, 14336, 4096), (8192, 8192, 8192), (8192, 8192, 28672), (8192, 28672, 8192))
+
+
+def fp8_gemm_speedups(c: _Ctx, shapes=None) -> list[list[float]]:
+    """[GFLOP, speedup] of float8 GEMMs over bf16 ones of the same shapes (torch._scaled_mm with tensorwise scales
+    and bf16 out, as torchao's tensorwise Float8Linear calls it, against torch.mm), sizes measured more than once
+    averaged, by size: the curve `GPUProfile.fp8_gemm_speedup_by_gflop` holds."""
+    shapes = shapes or (FP8_GEMM_SHAPES[::3] if c.quick else FP8_GEMM_SHAPES)
+    one = torch.ones((), device=c.device)
+    by_size: dict[float, list[float]] = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, device=c.device, dtype=torch.bfloat16), torch.randn(n, k, device=c.device,
+                                                                                      dtype=torch.bfloat16)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        t16 = c.busy(lambda a=a, b=b: torch.mm(a, b.t()))
+        t8 = c.busy(lambda a8=a8, b8=b8: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                           out_dtype=torch.bfloat16))
+        by_size.setdefault(float(f"{2 * m * k * n / 1e9:.3g}"), []).append(t16 / t8)
+    c.say(f"float8 GEMMs: {len(shapes)} shapes")
+    return [[g, round(statistics.mean(v), 3)] for g, v in sorted(by_size.items())]
+
+
+def fp8_fields(curve: list[list[float]], known, src: str) -> dict:
+    """The float8 fields of a measured GPU profile: the measured speedup curve, and its cap, `fp8_gemm_speedup`
+    (the built-in profile's where this GPU has one, else the best measured); {} where nothing was measured (no
+    fp8 tensor cores: float8 stays refused on this profile)."""
+    if not curve:
+        return {}
+    if known is not None and known.fp8_gemm_speedup:
+        cap, cap_src = known.fp8_gemm_speedup, f"the built-in profile this GPU matches ({known.name})"
+    else:
+        cap, cap_src = max(x for _, x in curve), f"the best of fp8_gemm_speedup_by_gflop, {src}"
+    return {"fp8_gemm_speedup": cap, "fp8_gemm_speedup_by_gflop": curve,
+            "sources": {"fp8_gemm_speedup": cap_src, "fp8_gemm_speedup_by_gflop": src}}
+
+
+def _has_fp8_tensor_cores(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _memory(c: _Ctx) -> tuple[float, float]:
@@ -609,6 +657,7 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
     where = (f"on {platform.node()}, {c.world} ranks ({c.world // c.per_node} x {c.per_node}), {device.type}, "
              f"torch {torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d}{', --quick' if quick else ''}")
     gemm = _gemm(c)
+    fp8_curve = fp8_gemm_speedups(c) if _has_fp8_tensor_cores(device) else []
     gbps, per_op = _memory(c)
     kernel_s = per_op if c.device.type == "cpu" else _kernel_device_s(c)  # CPU ranks: the host is the device
     transcendental = _transcendental(c) if c.device.type == "cpu" else 0.0
@@ -662,6 +711,9 @@ def profile_cluster(*, quick: bool = False, progress: Callable[[str], None] | No
                                         "fsdp_us_per_module", "optimizer_us_per_tensor", "num_sms",
                                         "transcendental_gelem_per_s")}}
     gpu["sources"].update(links_src)
+    fp8 = fp8_fields(fp8_curve, known, src)
+    gpu["sources"].update(fp8.pop("sources", {}))
+    gpu.update(fp8)
     if datasheet:
         gpu["sources"]["peak_tflops"] = "the datasheet peak of the profile this GPU matches"
     c.say(f"done in {time.perf_counter() - t_start:.0f} s")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-__all__ = ["Run", "GPU_RUNS", "CPU_RUNS", "GPU_CLUSTER", "make_plans", "check", "main"]
+__all__ = ["Run", "GPU_RUNS", "CPU_RUNS", "GPU_CLUSTER", "make_plans", "check", "reprice", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS_DIR = ROOT / "benchmarks" / "gpu_plans"
@@ -320,7 +320,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Single-{'CPU-rank' if report['device'] == 'cpu' else 'GPU'} validation: predicted against measured",
              "", f"`{report['command']}` on {report['device']} ({report['host']}), torch {report['torch']}, "
              f"transformers {report['transformers']}, {report['date']}; {report['steps']} timed steps after "
-             f"{report['warmup']} warm-up, medians; {report['wall_s']:.0f} s in all.", "",
+             f"{report['warmup']} warm-up, medians; {report['wall_s']:.0f} s in all." + (
+                 f" Predictions priced again by `python scripts/gpu_check.py --reprice` on {report['repriced']}."
+                 if report.get("repriced") else ""), "",
              "| plan | measured ms | predicted ms | error | on this machine's profile | peak reserved GiB "
              "| peak allocated GiB | predicted GiB | memory error |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["plans"]:
@@ -358,6 +360,37 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def reprice(report: dict, runs: tuple[Run, ...] = GPU_RUNS) -> dict:
+    """The report with every measured plan priced again by this autoshard (the datasheet profile and the
+    profile the check measured): the measurements stay, the predictions and errors follow the cost model."""
+    from autoshard.api import estimate_config
+
+    by_name = {r.name: r for r in runs}
+    for row in report["plans"]:
+        run = by_name.get(row["run"])
+        if run is None or not row.get("ok"):
+            continue
+        plan, _ = estimate_config(run.model, GPU_CLUSTER, dp=1, micro_batch=run.micro_batch,
+                                  global_batch=run.global_batch, recompute=run.recompute, compile=run.compile,
+                                  float8=run.float8, check_memory=False)
+        pred = plan.prediction
+        row |= {"predicted_s": pred.iteration_time_s, "predicted_breakdown_s": pred.time.seconds(),
+                "time_error_pct": (pred.iteration_time_s - row["measured_s"]) / row["measured_s"] * 100}
+        if "peak_reserved_gib" in row:
+            row["predicted_memory_gib"] = pred.memory.total_bytes / 2**30
+            row["memory_error_pct"] = (row["predicted_memory_gib"] - row["peak_reserved_gib"]) / row["peak_reserved_gib"] * 100
+        for key in ("profiled_predicted_s", "profiled_predicted_memory_gib", "profiled_error", "profiled_time_error_pct"):
+            row.pop(key, None)
+        row |= _reprice(run, report["profile"])
+        if "profiled_predicted_s" in row:
+            row["profiled_time_error_pct"] = (row["profiled_predicted_s"] - row["measured_s"]) / row["measured_s"] * 100
+    report["time_mape_pct"] = _mape(report["plans"], "time_error_pct")
+    report["profiled_time_mape_pct"] = _mape(report["plans"], "profiled_time_error_pct")
+    report["memory_mape_pct"] = _mape(report["plans"], "memory_error_pct")
+    report["repriced"] = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="one CPU rank, tiny models (what CI runs)")
@@ -372,9 +405,19 @@ def main(argv: list[str] | None = None) -> int:
                              "with --cpu)")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip `autoshard profile` (a second pass of a lease that has profiled once)")
+    parser.add_argument("--reprice", type=Path, default=None, metavar="JSON",
+                        help="price the measured plans of a report (gpu_validation.json) again with this autoshard "
+                             "and rewrite it and its .md beside it; measures nothing")
     parser.add_argument("--make-plans", action="store_true",
                         help=f"write the GPU plans into --plans (on a machine with the planner; {GPU_CLUSTER})")
     args = parser.parse_args(argv)
+    if args.reprice:
+        report = reprice(json.loads(args.reprice.read_text()))
+        args.reprice.write_text(json.dumps(report, indent=1) + "\n")
+        args.reprice.with_suffix(".md").write_text(markdown(report))
+        print(f"{args.reprice}: step-time MAPE {report['time_mape_pct']:.1f}%, on the measured profile "
+              f"{report['profiled_time_mape_pct']:.1f}%")
+        return 0
     if args.make_plans:
         for path in make_plans(GPU_RUNS, GPU_CLUSTER, args.plans):
             print(path)
