@@ -93,7 +93,12 @@ def _prediction_text(pred, cluster, plan=None) -> list[str]:
 
 
 def _warnings(pred, cluster, plan=None) -> list[str]:
-    from autoshard.planner.envelope import envelope_warnings, sequence_warnings, sharding_warnings
+    from autoshard.planner.envelope import (
+        envelope_warnings,
+        memory_warnings,
+        sequence_warnings,
+        sharding_warnings,
+    )
 
     out = envelope_warnings(pred.mfu, cluster.gpu.name, cluster.num_gpus)
     if out and plan is not None and plan.float8:  # the envelope is of 16-bit runs; MFU counts the bf16 peak
@@ -104,7 +109,7 @@ def _warnings(pred, cluster, plan=None) -> list[str]:
         out += sequence_warnings(plan.seq, cluster.gpu.name, plan.attention,
                                  measured_curve=bool(cluster.gpu.flash_attention_by_seq))
         out += sharding_warnings(plan, cluster.gpu.name)
-    return out
+    return out + memory_warnings(pred.memory.total_bytes, cluster)
 
 
 def _attention_kernel(plan) -> str:
@@ -521,6 +526,8 @@ def _check_args(args) -> None:
                 params=("output",))
     if args.command in ("plan", "estimate", "profile") and args.output:
         _prepare_output(args.output, "output")
+    if args.command == "measure" and args.trace:
+        _prepare_output(args.trace, "trace")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -698,6 +705,9 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     ms.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     ms.add_argument("--cluster", default=None, help="cluster of this job (default: the plan's)")
+    ms.add_argument("--trace", default=None, metavar="FILE",
+                    help="after the timed steps, profile one more with torch.profiler and write its summary (JSON: "
+                         "how busy the device was, the top ops by host time and kernels by device time) to FILE")
     ms.add_argument("--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
     ms.add_argument("--json", action="store_true")
     ms.set_defaults(func=_cmd_measure)

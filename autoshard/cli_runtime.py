@@ -30,7 +30,8 @@ def measure_command(args, emit) -> int:
     plan = Plan.load(args.plan)
     rank0 = os.environ.get("RANK") == "0"
     result = measure_plan(plan, cluster=args.cluster, steps=args.steps, warmup=args.warmup,
-                          progress=args.progress.steps("measuring steps") if rank0 else None)
+                          progress=args.progress.steps("measuring steps") if rank0 else None,
+                          trace=getattr(args, "trace", None))
     args.progress.close()
     if rank0:
         emit(args, result.to_json(), "\n".join(measure_text(result)))

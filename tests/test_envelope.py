@@ -79,3 +79,16 @@ def test_estimate_prints_the_warning_in_text_and_json():
     data = json.loads(out.stdout)
     assert data["mfu"] > ceiling("A100", 32).mfu
     assert data["warnings"] and "caution          " + data["warnings"][0] in text.stdout
+
+
+def test_a_plan_that_fits_as_priced_but_not_with_the_allocators_measured_reserve_is_flagged():
+    from autoshard.hardware_profiles import ClusterSpec
+    from autoshard.planner.envelope import RESERVED_OVER_ALLOCATED, memory_warnings
+
+    h100 = ClusterSpec.parse("1x8xH100-80GB")
+    usable = h100.device_memory_bytes
+    low = RESERVED_OVER_ALLOCATED[0]
+    (line,) = memory_warnings(usable * 0.9, h100)  # fits as priced, not with 16% reserved on top
+    assert "79.65 GiB" in line and "90%" in line and "may run out of memory" in line
+    assert memory_warnings(usable / low * 0.99, h100) == []  # room for the smallest reserve measured
+    assert memory_warnings(usable * 0.9, ClusterSpec.parse("1x2xcpu")) == []  # CPU ranks: no caching allocator

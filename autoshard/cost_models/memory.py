@@ -29,7 +29,12 @@ NCCL_PER_GROUP_GIB = 0.65
 #   CUDA): segments grow page by page, so freed memory serves any size. What remains is the separate pool of
 #   the communication stream, which the memory model counts as transient buffers (two gathered units).
 #   Check: torchtitan ran Llama 2 13B without recompute at local batch 2 on A100-80GB (docs/performance.md),
-#   which fits only with a few percent of slack.
+#   which fits only with a few percent of slack. Against it: on one H200 (benchmarks/gpu_validation.md,
+#   `autoshard measure` with expandable segments) the peak reserved was 16-25% above the peak allocated in all 11
+#   plans, the excess about 4 bytes per parameter plus a part growing with the micro-batch, while the predicted
+#   memory matched the allocated peak within +0.3% to +3.8% in 9 of 11. What holds the excess (the model built
+#   on the GPU in fp32 before FSDP2 copies it into shards, or the pools of FSDP2's streams) is not established,
+#   so it is not priced; treat a plan within 20% of the GPU's memory as at risk until it is.
 ALLOCATOR_FRAGMENTATION = {"caching": 0.15, "expandable": 0.0}
 ALLOCATORS = tuple(ALLOCATOR_FRAGMENTATION)
 

@@ -12,6 +12,11 @@ step's time is the slowest rank's (all ranks finish the step before the next bar
 the median over the timed steps, with min / max / interquartile range so a noisy machine shows as such, beside
 the plan's own prediction and its breakdown.
 
+`trace`: one more step under torch.profiler after the timed ones, summarized into a JSON file: the step's wall
+time, the host time PyTorch recorded, the device kernels (how many, their summed time, so how busy the device
+was) and the ops and kernels that took longest, on host and device. A step whose device is far from busy is
+bound by its host: the question the summary answers first.
+
 Memory (GPUs): the caching allocator's peak allocated and peak reserved bytes over the whole run, the largest
 over the ranks, beside the plan's predicted peak. Reserved is what an out-of-memory error sees: allocated plus
 the allocator's cached and fragmented blocks.
@@ -31,7 +36,8 @@ import torch.nn.functional as F
 from autoshard.errors import ConfigurationError, RuntimeSetupError
 from autoshard.plans.plan import Plan
 
-__all__ = ["StepTimes", "MeasuredPlan", "measure_plan", "model_ref", "synthetic_batch", "training_loss"]
+__all__ = ["StepTimes", "MeasuredPlan", "measure_plan", "model_ref", "synthetic_batch", "training_loss",
+           "trace_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -199,9 +205,10 @@ def _device_for(spec) -> torch.device:
 
 
 def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, seed: int = 0,
-                 progress=None) -> MeasuredPlan:
+                 progress=None, trace=None) -> MeasuredPlan:
     """Apply `plan` on this job's ranks and time `steps` training steps after `warmup` (module docstring).
-    Call on every rank under torchrun; every rank returns the same result. `cluster` defaults to the plan's."""
+    Call on every rank under torchrun; every rank returns the same result. `cluster` defaults to the plan's.
+    `trace`: a path rank 0 writes one more step's profiler summary to (`trace_summary`)."""
     from autoshard.runtime.entry import autoparallel
     from autoshard.runtime.expert_parallel import reset_routing_counts, routing_imbalance
 
@@ -238,6 +245,13 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
             opt_t.append(t2 - t1)
         if progress is not None:
             progress(i + 1, warmup + steps)
+    if trace is not None:
+        summary = _traced_step(pm, opt, synthetic_batch(loaded, plan.global_batch, warmup + steps, device), device)
+        if dist.get_rank() == 0:
+            import json
+            from pathlib import Path
+
+            Path(trace).write_text(json.dumps(summary, indent=1) + "\n")
     pred = plan.prediction
     imbalance = routing_imbalance(pm) if plan.ep > 1 else None
     allocated, reserved = _memory_peaks(device)
@@ -250,3 +264,45 @@ def measure_plan(plan: Plan, *, cluster=None, steps: int = 10, warmup: int = 3, 
                         peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
                         predicted_memory_bytes=pred.memory.total_bytes if pred else None,
                         losses=tuple(float(x) for x in losses))  # read after timing: .item() syncs
+
+
+TRACE_TOP = 25  # ops and kernels listed in a trace summary, each by host and by device time
+
+
+def _traced_step(pm, opt, batch, device: torch.device) -> dict:
+    """One training step under torch.profiler (CPU, and CUDA on GPUs), summarized (`trace_summary`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    inputs, target = pm.shard_inputs(batch)
+    dist.barrier()
+    _sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        pm.train_step((inputs,), target)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    return trace_summary(prof, wall)
+
+
+def trace_summary(prof, wall_s: float) -> dict:
+    """What a profiled step spent: wall seconds; the device's kernels (count, summed seconds, busy fraction of the
+    wall); the top ops by host time (self) and the top kernels by device time."""
+    kernels = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU]
+    device_s = sum(e.device_time for e in kernels) * 1e-6  # microseconds
+    by_key = prof.key_averages()
+    host = sorted(by_key, key=lambda e: e.self_cpu_time_total, reverse=True)[:TRACE_TOP]
+    kernel_totals: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = kernel_totals.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time * 1e-6
+    top_kernels = sorted(kernel_totals.items(), key=lambda kv: kv[1][1], reverse=True)[:TRACE_TOP]
+    return {"wall_s": wall_s, "device_kernels": len(kernels), "device_kernel_s": device_s,
+            "device_busy_fraction": device_s / wall_s if kernels else None,
+            "host_events": sum(e.count for e in by_key),  # ops at every nesting level, as the profiler records
+            "top_host_ops": [{"name": e.key, "calls": e.count, "self_host_s": e.self_cpu_time_total * 1e-6}
+                             for e in host],
+            "top_kernels": [{"name": name[:200], "calls": n, "device_s": t} for name, (n, t) in top_kernels]}

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Ceiling", "PUBLISHED_MFU", "LONG_SEQUENCE", "LARGEST_SHARDED_RUN", "gpu_family", "ceiling",
-           "envelope_warnings", "sequence_warnings", "sharding_warnings"]
+           "envelope_warnings", "sequence_warnings", "sharding_warnings", "RESERVED_OVER_ALLOCATED",
+           "memory_warnings"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +115,23 @@ def sharding_warnings(plan, gpu_name: str) -> list[str]:
             "768-2,240 GPUs (2021) ran 2-4x slower than FSDP2 is priced here (its own implementation: estimate "
             "--zero-impl deepspeed-2021; benchmarks/published_validation.md); treat the prediction as optimistic "
             "until measured (autoshard measure)"]
+
+
+# The CUDA allocator's peak reserved over its peak allocated, measured on one H200 with expandable segments
+# (benchmarks/gpu_validation.md, 11 plans of `autoshard measure`, 2026-11-29): 1.16 to 1.25. The memory model
+# predicts the allocated peak (there within +0.3% to +3.8% in 9 of 11); an out-of-memory error sees reserved.
+RESERVED_OVER_ALLOCATED = (1.16, 1.25)
+
+
+def memory_warnings(total_bytes: float, cluster) -> list[str]:
+    """One line when the predicted memory (the allocated peak) times the smallest reserve over allocated that a
+    GPU showed exceeds the GPU's usable memory: the plan fits as priced but may not as the allocator runs it
+    (GPU profiles only; CPU ranks have no caching allocator)."""
+    low, high = RESERVED_OVER_ALLOCATED
+    usable = cluster.device_memory_bytes
+    if cluster.gpu.device != "cuda" or total_bytes * low <= usable:
+        return []
+    return [f"predicted memory {total_bytes / 2**30:.1f} GiB is {total_bytes / usable:.0%} of the usable "
+            f"{cluster.device_memory_text}; on an H200 the allocator reserved {low:.2f}-{high:.2f}x the allocated "
+            "peak this model predicts (benchmarks/gpu_validation.md), so this plan may run out of memory: measure "
+            "it (autoshard measure), or leave more room (--recompute, a higher --zero, more GPUs)"]

@@ -146,9 +146,10 @@ def _profile(out: Path, timeout_s: float | None) -> dict:
             **{k: gpu.get(k) for k in keys}}
 
 
-def _measure(run: Run, plan_path: Path, cluster: str | None, steps: int, warmup: int, timeout_s: float) -> dict:
+def _measure(run: Run, plan_path: Path, cluster: str | None, steps: int, warmup: int, timeout_s: float,
+             trace: Path | None = None) -> dict:
     args = ["-m", "autoshard.cli", "measure", str(plan_path), "--steps", str(steps), "--warmup", str(warmup),
-            "--json"] + (["--cluster", cluster] if cluster else [])
+            "--json"] + (["--cluster", cluster] if cluster else []) + (["--trace", str(trace)] if trace else [])
     report, err, wall = _torchrun(args, timeout_s)
     row = {"run": run.name, "model": run.model, "global_batch": run.global_batch, "micro_batch": run.micro_batch,
            "recompute": run.recompute, "wall_s": round(wall, 1)}
@@ -208,8 +209,10 @@ def _mape(rows: list[dict], key: str) -> float | None:
 
 
 def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, only: tuple[str, ...] = (),
-          budget_s: float | None = None, profile: bool = True, progress=print) -> dict:
+          budget_s: float | None = None, profile: bool = True, trace: tuple[str, ...] = (),
+          progress=print) -> dict:
     """Profile, measure every plan, time the hand-written loop; returns the report (also written to `out`).
+    `trace`: the plans whose measurement also profiles one step (`measure --trace`, `trace-NAME.json` in `out`).
     `budget_s`: no step starts after that many seconds, and none runs past them (the rest are reported as not
     run), so a device lent for a fixed time is never held beyond it."""
     import torch
@@ -258,7 +261,8 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
         progress(f"measure {run.name}")
         limit = within(300 if cpu else 150)
         rows.append(_measure(run, plans_dir / run.plan_file, CPU_CLUSTER if cpu else None, steps, warmup,
-                             timeout_s=limit) if limit else _not_run(run.name, budget_s))
+                             timeout_s=limit, trace=out / f"trace-{run.name}.json" if run.name in trace else None)
+                    if limit else _not_run(run.name, budget_s))
         progress(f"  {_row_line(rows[-1])}")
         write()
     reference = next((r for r in runs if r.reference), None)
@@ -403,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=None, metavar="S",
                         help="start no step after S seconds and run none past them (default: 450 on a GPU, none "
                              "with --cpu)")
+    parser.add_argument("--trace", nargs="*", default=(), metavar="NAME",
+                        help="these plans also profile one step (`measure --trace`): trace-NAME.json beside the report")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip `autoshard profile` (a second pass of a lease that has profiled once)")
     parser.add_argument("--reprice", type=Path, default=None, metavar="JSON",
@@ -422,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in make_plans(GPU_RUNS, GPU_CLUSTER, args.plans):
             print(path)
         return 0
-    unknown = set(args.only) - {r.name for r in (CPU_RUNS if args.cpu else GPU_RUNS)}
+    unknown = (set(args.only) | set(args.trace)) - {r.name for r in (CPU_RUNS if args.cpu else GPU_RUNS)}
     if unknown:
         print(f"gpu_check.py: unknown plan names {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -431,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu else 2)
     budget = args.budget if args.budget is not None else (None if args.cpu else 450.0)
     report = check(cpu=args.cpu, out=out, plans_dir=args.plans, steps=steps, warmup=warmup, only=tuple(args.only),
-                   budget_s=budget, profile=not args.no_profile, progress=lambda msg: print(msg, flush=True))
+                   budget_s=budget, profile=not args.no_profile, trace=tuple(args.trace),
+                   progress=lambda msg: print(msg, flush=True))
     failed = [r["run"] for r in report["plans"] + report["reference"] if not r.get("ok")]
     failed += ["profile"] if not report["profile"].get("ok") and not report["profile"].get("skipped") else []
     print(f"report: {out / 'gpu_validation.md'}; step-time MAPE {report['time_mape_pct']}; failed: {failed or 'none'}")

@@ -34,7 +34,8 @@ def test_gpu_check_cpu_profiles_measures_every_plan_and_times_the_hand_written_l
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu", "--out", str(out),
-                           *(["--only", *only] if only else [])], capture_output=True, text=True, timeout=880, env=env)
+                           *(["--only", *only] if only else []), "--trace", "tiny-llama-none-mb1x2"],
+                          capture_output=True, text=True, timeout=880, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_validation.json").read_text())
     assert report["profile"]["ok"] and (out / "profile.yaml").exists()
@@ -45,3 +46,5 @@ def test_gpu_check_cpu_profiles_measures_every_plan_and_times_the_hand_written_l
     assert report["time_mape_pct"] is not None
     text = (out / "gpu_validation.md").read_text()
     assert all(r.name in text for r in runs) and "blocks compiled" in text
+    trace = json.loads((out / "trace-tiny-llama-none-mb1x2.json").read_text())  # the one plan asked to profile a step
+    assert trace["top_host_ops"] and trace["wall_s"] > 0 and not (out / "trace-tiny-moe-none-mb1x2.json").exists()
