@@ -211,7 +211,7 @@ def _mape(rows: list[dict], key: str) -> float | None:
 def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, only: tuple[str, ...] = (),
           budget_s: float | None = None, profile: bool = True, trace: tuple[str, ...] = (),
           progress=print) -> dict:
-    """Profile, measure every plan, time the hand-written loop; returns the report (also written to `out`).
+    """Measure every plan, time the hand-written loop, profile; returns the report (also written to `out`).
     `trace`: the plans whose measurement also profiles one step (`measure --trace`, `trace-NAME.json` in `out`).
     `budget_s`: no step starts after that many seconds, and none runs past them (the rest are reported as not
     run), so a device lent for a fixed time is never held beyond it."""
