@@ -121,16 +121,8 @@ def fp8_gemm_speedup(gpu: GPUProfile, flops: float) -> float:
     curve = gpu.fp8_gemm_speedup_by_gflop
     if not curve:
         return gpu.fp8_gemm_speedup
-    gflop = flops / 1e9
-    if gflop <= curve[0][0]:
-        measured = curve[0][1]
-    elif gflop >= curve[-1][0]:
-        measured = curve[-1][1]
-    else:
-        hi = next(i for i, (g, _) in enumerate(curve) if g >= gflop)
-        (g0, x0), (g1, x1) = curve[hi - 1], curve[hi]
-        measured = x0 + math.log(gflop / g0) / math.log(g1 / g0) * (x1 - x0)
-    return min(measured, gpu.fp8_gemm_speedup)
+    measured = dict(curve)
+    return min(sum(w * measured[g] for g, w in _bracket(list(measured), flops / 1e9)), gpu.fp8_gemm_speedup)
 
 
 def memory_bound_time_s(nbytes: float, gpu: GPUProfile, *, kernels: int = 1) -> float:

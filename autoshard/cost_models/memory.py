@@ -34,7 +34,8 @@ NCCL_PER_GROUP_GIB = 0.65
 #   plans, the excess about 4 bytes per parameter plus a part growing with the micro-batch, while the predicted
 #   memory matched the allocated peak within +0.3% to +3.8% in 9 of 11. What holds the excess (the model built
 #   on the GPU in fp32 before FSDP2 copies it into shards, or the pools of FSDP2's streams) is not established,
-#   so it is not priced; treat a plan within 20% of the GPU's memory as at risk until it is.
+#   so it is not priced; `estimate` and `plan` caution where it could exceed the GPU (planner/envelope.py
+#   `memory_warnings`).
 ALLOCATOR_FRAGMENTATION = {"caching": 0.15, "expandable": 0.0}
 ALLOCATORS = tuple(ALLOCATOR_FRAGMENTATION)
 

@@ -199,6 +199,19 @@ def _reprice(run: Run, profile: dict) -> dict:
             "profiled_predicted_memory_gib": plan.prediction.memory.total_bytes / 2**30}
 
 
+def _add_profiled(row: dict, run: Run, profile: dict) -> None:
+    """The row's run priced on the profile the check measured, and that prediction's error, where both exist."""
+    row |= _reprice(run, profile)
+    if row.get("ok") and "profiled_predicted_s" in row:
+        row["profiled_time_error_pct"] = (row["profiled_predicted_s"] - row["measured_s"]) / row["measured_s"] * 100
+
+
+def _summarize(report: dict) -> None:
+    """The report's MAPEs over its measured plans: step time as planned, on the measured profile, memory."""
+    for key in ("time", "profiled_time", "memory"):
+        report[f"{key}_mape_pct"] = _mape(report["plans"], f"{key}_error_pct")
+
+
 def _not_run(name: str, budget_s: float | None) -> dict:
     return {"run": name, "ok": False, "error": f"not run: the check's budget of {budget_s:.0f} s was spent"}
 
@@ -244,14 +257,10 @@ def check(*, cpu: bool, out: Path, plans_dir: Path, steps: int, warmup: int, onl
     def write() -> None:
         """The report as it stands, after every step: a check cut short still leaves what it measured."""
         for row, run in zip(rows, runs, strict=False):
-            row |= _reprice(run, report["profile"]) if "profiled_predicted_s" not in row else {}
-            if row.get("ok") and "profiled_predicted_s" in row:
-                row["profiled_time_error_pct"] = ((row["profiled_predicted_s"] - row["measured_s"])
-                                                  / row["measured_s"] * 100)
+            if "profiled_predicted_s" not in row:
+                _add_profiled(row, run, report["profile"])
         _compare_float8_losses(rows, runs[:len(rows)])
-        report["time_mape_pct"] = _mape(rows, "time_error_pct")
-        report["profiled_time_mape_pct"] = _mape(rows, "profiled_time_error_pct")
-        report["memory_mape_pct"] = _mape(rows, "memory_error_pct")
+        _summarize(report)
         report["wall_s"] = round(time.perf_counter() - t_start, 1)
         (out / "gpu_validation.json").write_text(json.dumps(report, indent=1) + "\n")
         (out / "gpu_validation.md").write_text(markdown(report))
@@ -385,12 +394,8 @@ def reprice(report: dict, runs: tuple[Run, ...] = GPU_RUNS) -> dict:
             row["memory_error_pct"] = (row["predicted_memory_gib"] - row["peak_reserved_gib"]) / row["peak_reserved_gib"] * 100
         for key in ("profiled_predicted_s", "profiled_predicted_memory_gib", "profiled_error", "profiled_time_error_pct"):
             row.pop(key, None)
-        row |= _reprice(run, report["profile"])
-        if "profiled_predicted_s" in row:
-            row["profiled_time_error_pct"] = (row["profiled_predicted_s"] - row["measured_s"]) / row["measured_s"] * 100
-    report["time_mape_pct"] = _mape(report["plans"], "time_error_pct")
-    report["profiled_time_mape_pct"] = _mape(report["plans"], "profiled_time_error_pct")
-    report["memory_mape_pct"] = _mape(report["plans"], "memory_error_pct")
+        _add_profiled(row, run, report["profile"])
+    _summarize(report)
     report["repriced"] = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     return report
 
